@@ -1,0 +1,153 @@
+# Loading: a Hugging Face folder (config.json + safetensors + tokenizer.json) -> model, config, tokenizer.
+# The architecture table is the only place that maps config.json to code. Weights come from safetensors
+# only (never pickle), and a missing or mis-shaped tensor is an error naming the tensor and the folder.
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from models.llama import LlamaForCausalLM
+from models.opt import OPTForCausalLM
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this buffer; we recompute it
+
+
+def read_config(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} is not a directory")
+    config_file = os.path.join(path, "config.json")
+    if not os.path.exists(config_file):
+        raise FileNotFoundError(f"{config_file} not found (expected a Hugging Face model folder)")
+    try:
+        with open(config_file) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+
+
+def resolve_dtype(dtype, config: dict) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                            "(pickle checkpoints are never loaded)")
+
+
+def read_checkpoint(path: str, dtype: torch.dtype, rename=lambda name: name) -> dict:
+    state = {}
+    for file in safetensors_files(path):
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"{file}: shard listed in the index is missing")
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith(IGNORED_SUFFIXES):
+                    state[rename(name)] = f.get_tensor(name).to(dtype)
+    return state
+
+
+def pack(state: dict, packed_modules: dict) -> dict:
+    """Concatenate checkpoint tensors that the model runs as one matmul (q/k/v -> qkv_proj)."""
+    for fused, parts in packed_modules.items():
+        first = f".{parts[0]}."
+        for key in [k for k in state if first in k]:
+            keys = [key.replace(first, f".{p}.") for p in parts]
+            if all(k in state for k in keys):
+                state[key.replace(first, f".{fused}.")] = torch.cat([state.pop(k) for k in keys])
+    return state
+
+
+def load_weights(model: torch.nn.Module, path: str, dtype: torch.dtype):
+    rename = getattr(model, "rename", lambda name: name)
+    state = pack(read_checkpoint(path, dtype, rename), getattr(model, "packed_modules", {}))
+    expected = model.state_dict()
+    for name, param in expected.items():
+        if name not in state:
+            raise ValueError(f"{path}: checkpoint is missing tensor {name!r}")
+        if state[name].shape != param.shape:
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(state[name].shape)}, "
+                             f"config.json implies {tuple(param.shape)}")
+    model.load_state_dict({name: state[name] for name in expected}, assign=True)
+
+
+def load_model(path: str, dtype="auto", device="cpu"):
+    """Build the model on the meta device (no memory, no init), then assign the checkpoint's tensors."""
+    config = read_config(path)
+    archs = config.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"{path}: unsupported architecture {archs or config.get('model_type')!r} "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    dtype = resolve_dtype(dtype, config)
+    try:
+        with torch.device("meta"):
+            model = ARCHITECTURES[arch](config, arch)
+    except KeyError as e:
+        raise ValueError(f"{path}/config.json: missing field {e.args[0]!r}") from None
+    load_weights(model, path, dtype)
+    return model.to(device).eval(), config
+
+
+class Tokenizer:
+    """tokenizer.json (via `tokenizers`) plus tokenizer_config.json's chat template and special tokens."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as HFTokenizer
+        self.tokenizer = HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        config_file = os.path.join(path, "tokenizer_config.json")
+        self.config = json.load(open(config_file)) if os.path.exists(config_file) else {}
+        self.chat_template = self.config.get("chat_template")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, token) -> int | None:
+        if isinstance(token, dict):  # older tokenizer_config.json stores AddedToken dicts
+            token = token.get("content")
+        return self.tokenizer.token_to_id(token) if token else None
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if not self.chat_template:
+            raise ValueError("--chat: this model's tokenizer_config.json has no chat_template")
+        import jinja2
+        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
+        special = {k: self.config.get(k) for k in ("bos_token", "eos_token")}
+        return template.render(messages=messages, add_generation_prompt=True, **special)
+
+
+def load_tokenizer(path: str) -> Tokenizer | None:
+    return Tokenizer(path) if os.path.exists(os.path.join(path, "tokenizer.json")) else None
+
+
+def eos_token_ids(config: dict, tokenizer: Tokenizer | None) -> set[int]:
+    ids = set()
+    for source in (config.get("eos_token_id"), tokenizer and tokenizer.token_id(tokenizer.config.get("eos_token"))):
+        if source is not None:
+            ids.update(source if isinstance(source, list) else [source])
+    return ids

@@ -1,0 +1,157 @@
+# Llama / Mistral / Qwen2 / Qwen3 decoder: one implementation, the differences are flags read from
+# config.json (q/k/v bias, q/k RMSNorm, explicit head_dim, llama3 rope scaling, tied lm_head).
+# The forward is the single varlen forward of DESIGN.md; it never sees batch or padding shapes.
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import attention, rms_norm, rotary, silu_mul
+
+
+def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
+    """Rotary inverse frequencies, with llama3 scaling when config asks for it."""
+    # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise ValueError(f"config.json: unsupported rope scaling type {rope_type!r}")
+    factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
+    low_wavelen = old_len / rope["low_freq_factor"]
+    high_wavelen = old_len / rope["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] float32 = [cos | sin] of position * inv_freq."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"),
+                        rope_inv_freq(config, head_dim))
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x, residual=None):
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = config.get("head_dim") or hidden // self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        # q, k and v (and gate/up below) are packed into one matmul: fewer, larger ops per layer.
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:  # Qwen3: RMSNorm over each head's q and k before rotary
+            self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+        self.k_cache = self.v_cache = None  # views into the engine's KV pool, set by allocate_kv_cache
+
+    def forward(self, positions, x, cos_sin_cache):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, positions, cos_sin_cache)
+        out = attention(q, k, v.contiguous(), self.k_cache, self.v_cache, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: dict, **attn_flags):
+        super().__init__()
+        eps = config["rms_norm_eps"]
+        self.self_attn = Attention(config, **attn_flags)
+        self.mlp = MLP(config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False))
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+
+    def forward(self, positions, x, residual, cos_sin_cache):
+        # The residual stream is carried separately so each norm can fuse "add residual, then norm".
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cos_sin_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: dict, **attn_flags):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(DecoderLayer(config, **attn_flags)
+                                    for _ in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also Mistral, Qwen2 and Qwen3: `arch` picks the flags."""
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, config: dict, arch: str = "LlamaForCausalLM"):
+        super().__init__()
+        bias = config.get("attention_bias", False)
+        flags = dict(qkv_bias=bias, o_bias=bias, qk_norm=arch == "Qwen3ForCausalLM")
+        if arch == "Qwen2ForCausalLM":  # Qwen2 always has q/k/v bias and never an o_proj bias
+            flags.update(qkv_bias=True, o_bias=False)
+        self.model = DecoderModel(config, **flags)
+        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        attn = self.model.layers[0].self_attn
+        self.num_layers, self.num_kv_heads, self.head_dim = len(self.model.layers), attn.num_kv_heads, attn.head_dim
+        self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
+        self.max_position_embeddings = config.get("max_position_embeddings", 4096)
+        # rope_cache builds on the CPU explicitly: models are constructed on the meta device.
+        self.register_buffer("cos_sin_cache", rope_cache(config, self.head_dim, self.max_position_embeddings),
+                             persistent=False)
+
+    def attention_layers(self):
+        return [layer.self_attn for layer in self.model.layers]
+
+    def forward(self, input_ids, positions):
+        """Packed tokens [T] at positions [T] -> final-norm hidden states [T, H]."""
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer in self.model.layers:
+            x, residual = layer(positions, x, residual, self.cos_sin_cache)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden):
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)

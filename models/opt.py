@@ -1,0 +1,106 @@
+# OPT decoder: learned positions (offset 2), LayerNorm before or after each block, ReLU MLP, and
+# project_in/project_out when word_embed_proj_dim differs from hidden_size. Same varlen forward and
+# paged attention as every other model; never a model-specific attention path.
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import attention
+
+POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, bias: bool):
+        super().__init__()
+        self.num_heads = self.num_kv_heads = num_heads
+        self.head_dim = hidden // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_cache = self.v_cache = None
+
+    def forward(self, x):
+        q, k, v = (t.reshape(-1, self.num_heads, self.head_dim) for t in self.qkv_proj(x).chunk(3, dim=-1))
+        out = attention(q.contiguous(), k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, self.scale)
+        return self.out_proj(out.reshape(x.shape))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden, bias = config["hidden_size"], config.get("enable_bias", True)
+        affine = config.get("layer_norm_elementwise_affine", True)
+        self.pre_norm = config.get("do_layer_norm_before", True)
+        self.self_attn = OPTAttention(hidden, config["num_attention_heads"], bias)
+        self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        self.fc1 = nn.Linear(hidden, config["ffn_dim"], bias=bias)
+        self.fc2 = nn.Linear(config["ffn_dim"], hidden, bias=bias)
+        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+
+    def forward(self, x):
+        for norm, block in ((self.self_attn_layer_norm, self.self_attn), (self.final_layer_norm, self.mlp)):
+            residual = x
+            x = block(norm(x) if self.pre_norm else x) + residual
+            x = x if self.pre_norm else norm(x)
+        return x
+
+    def mlp(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class OPTDecoder(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden, proj_dim = config["hidden_size"], config.get("word_embed_proj_dim") or config["hidden_size"]
+        self.embed_tokens = nn.Embedding(config["vocab_size"], proj_dim)
+        self.embed_positions = nn.Embedding(config["max_position_embeddings"] + POSITION_OFFSET, hidden)
+        self.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
+        self.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
+        # OPT-350m style (post-norm) checkpoints have no final norm.
+        has_final_norm = config.get("do_layer_norm_before", True) and not config.get("_remove_final_layer_norm", False)
+        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=config.get("layer_norm_elementwise_affine", True)) \
+            if has_final_norm else None
+        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config["num_hidden_layers"]))
+
+
+class OPTForCausalLM(nn.Module):
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
+    def __init__(self, config: dict, arch: str = "OPTForCausalLM"):
+        super().__init__()
+        if config.get("activation_function", "relu") != "relu":
+            raise ValueError(f"config.json: OPT activation {config['activation_function']!r} is not supported")
+        self.model = nn.Module()
+        self.model.decoder = OPTDecoder(config)
+        attn = self.model.decoder.layers[0].self_attn
+        self.num_layers, self.num_kv_heads, self.head_dim = config["num_hidden_layers"], attn.num_heads, attn.head_dim
+        self.hidden_size = config.get("word_embed_proj_dim") or config["hidden_size"]
+        self.vocab_size = config["vocab_size"]
+        self.max_position_embeddings = config["max_position_embeddings"]
+        self.tie_word_embeddings = config.get("tie_word_embeddings", True)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+
+    @staticmethod
+    def rename(name: str) -> str:
+        # facebook/opt-* checkpoints store "decoder.*"; transformers' own save writes "model.decoder.*".
+        return "model." + name if name.startswith("decoder.") else name
+
+    def attention_layers(self):
+        return [layer.self_attn for layer in self.model.decoder.layers]
+
+    def forward(self, input_ids, positions):
+        dec = self.model.decoder
+        x = dec.embed_tokens(input_ids)
+        if dec.project_in is not None:
+            x = dec.project_in(x)
+        x = x + dec.embed_positions(positions + POSITION_OFFSET)
+        for layer in dec.layers:
+            x = layer(x)
+        if dec.final_layer_norm is not None:
+            x = dec.final_layer_norm(x)
+        return dec.project_out(x) if dec.project_out is not None else x
+
+    def compute_logits(self, hidden):
+        weight = self.model.decoder.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,525 @@
+# nanospec: the engine. SamplingParams and Sequence state, the proposers (n-gram, draft model, MLP
+# speculator), the scheduler (continuous batching, lookahead slots, preemption, dynamic speculation),
+# the lossless accept/commit step, the LLM API and the CLI. Every step is schedule -> propose ->
+# verify -> accept -> commit; plain decoding is the same step with K = 0. It must never emit a token
+# the target model would not have produced with the same sampling (greedy: exactly the same tokens).
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import kernels
+from kernels import AttentionContext, set_context
+from models import eos_token_ids, load_model, load_tokenizer
+from paged_kv import BlockManager, allocate_kv_cache, bytes_per_block
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 64
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    num_spec_tokens: int | None = None  # per-request K (0: this request never speculates)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = {
+            "temperature": self.temperature >= 0 and math.isfinite(self.temperature),
+            "top_p": 0 < self.top_p <= 1,
+            "top_k": self.top_k >= 0,
+            "max_tokens": self.max_tokens >= 1,
+            "stop": all(isinstance(s, str) and s for s in self.stop or []),
+            "num_spec_tokens": self.num_spec_tokens is None or self.num_spec_tokens >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} has an invalid value: {getattr(self, name)!r}")
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, device):
+        self.seq_id = next(Sequence._ids)
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.num_cached = 0          # positions whose target K/V are in the cache
+        self.num_draft_cached = 0    # the same for the draft model (may lag)
+        self.block_table: list[int] = []
+        self.last_hidden = None      # target hidden state that produced the last token (MLP proposer)
+        seed = params.seed if params.seed is not None else torch.randint(2**62, ()).item()
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.finish_reason: str | None = None
+        self.text: str | None = None  # set at finish; truncated at a stop string
+        self.num_drafted = self.num_accepted = self.num_spec_steps = 0
+        self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
+        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_spec_steps: int
+    accepted_per_position: dict
+    ttft: float
+    tpot: float
+    latency: float
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int                  # tokens of seq.token_ids fed this step (prefill chunk, or 1)
+    num_spec: int                    # lookahead slots reserved for drafts this step
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V]; None = one-hot drafts (n-gram)
+
+    @property
+    def samples(self) -> bool:  # does this step reach the end of the sequence (and so emit tokens)?
+        return self.seq.num_cached + self.num_tokens == len(self.seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: probabilities after temperature / top-k / top-p, and the exponential race.
+# ---------------------------------------------------------------------------------------------
+def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """[R, V] logits of rows owned by seqs -> float32 probs. Greedy rows become one-hot argmax,
+    which makes the rejection sampler reduce exactly to "accept while draft == argmax"."""
+    params = [s.params for s in seqs]
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    greedy = temperature == 0
+    probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=logits.device)[:, None]
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device)[:, None]
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=logits.device)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop = ((top_k > 0) & (rank >= top_k)) | ((top_p < 1) & (mass_before >= top_p))
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0))
+        probs /= probs.sum(-1, keepdim=True)
+    if greedy.any():
+        probs[greedy] = torch.nn.functional.one_hot(logits[greedy].argmax(-1), probs.shape[-1]).float()
+    return probs
+
+
+def exp_noise(seq: Sequence, rows: int, vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise from the request's own generator: argmax(p / noise) samples p (no host sync),
+    and the same seed gives the same draws whatever else is in the batch. Greedy needs no noise."""
+    if seq.params.temperature == 0:
+        return torch.ones(rows, vocab, device=device)
+    return torch.empty(rows, vocab, device=device).exponential_(generator=seq.generator)
+
+
+def sample(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    noise = torch.cat([exp_noise(s, 1, probs.shape[-1], probs.device) for s in seqs])
+    return (probs / noise).argmax(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Proposers: each fills item.drafts (<= item.num_spec tokens) and item.draft_probs.
+# ---------------------------------------------------------------------------------------------
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the longest suffix n-gram
+    (n in [min_n, max_n]) in prompt + output and propose the tokens that followed it."""
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, engine, items: list[ScheduledSeq]):
+        for item in items:
+            item.drafts = self.lookup(np.asarray(item.seq.token_ids), item.num_spec)
+
+    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # windows[i] = tokens[i : i+n] for every start whose n-gram ends before the suffix itself
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(hits):
+                start = hits[-1] + n
+                return tokens[start:start + k].tolist()
+        return []
+
+
+class DraftModelProposer:
+    """A small model with the target's vocabulary, sharing the target's block tables and slots."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, engine, items: list[ScheduledSeq]):
+        seqs = [item.seq for item in items]
+        # First forward: every token the draft has not cached yet (1 normally, 2 after a bonus
+        # token, the whole prompt the first time, more after speculation was off for a while).
+        batch = [(s, s.token_ids[s.num_draft_cached:], s.num_draft_cached) for s in seqs]
+        for i in range(max(item.num_spec for item in items)):
+            if i > 0:  # then one token per step: the draft's own previous guess
+                items = [item for item in items if item.num_spec > i]
+                batch = [(item.seq, item.drafts[-1:], len(item.seq) + i - 1) for item in items]
+            hidden, query_start = engine.forward(self.model, batch)
+            for seq, tokens, start in batch:
+                seq.num_draft_cached = start + len(tokens)
+            logits = self.model.compute_logits(hidden[query_start[1:] - 1])
+            engine.append_drafts(items, logits)
+
+
+class MLPProposer:
+    """Heads i = 0..K-1 read the target's last hidden state and the last token; no KV cache."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, engine, items: list[ScheduledSeq]):
+        state = self.model.first_state(torch.stack([item.seq.last_hidden for item in items]))
+        tokens = torch.tensor([item.seq.token_ids[-1] for item in items], device=state.device)
+        for i in range(max(item.num_spec for item in items)):
+            state, logits = self.model.step(i, state, tokens)
+            tokens = engine.append_drafts(items, logits)
+        for item in items:  # every head ran for the whole batch; keep each request's own K
+            item.drafts, item.draft_probs = item.drafts[:item.num_spec], item.draft_probs[:item.num_spec]
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------
+class LLMEngine:
+    def __init__(self, model: str | None = None, dtype="auto", device="cpu", block_size=16,
+                 num_blocks: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs=64,
+                 max_num_batched_tokens=2048, max_model_len: int | None = None, draft: str | None = None,
+                 num_spec_tokens=0, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None):
+        if model is None:
+            from models.gguf import default_model_path
+            model = default_model_path()
+        self.device = torch.device(device)
+        self.model, self.config = load_model(model, dtype, self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = load_tokenizer(model)
+        self.eos_ids = eos_token_ids(self.config, self.tokenizer)
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = min(max_model_len or 10**9, self.model.max_position_embeddings)
+        self.num_spec_tokens = num_spec_tokens
+        self.spec_disable_batch_size = spec_disable_batch_size
+        self.proposer = self.make_proposer(draft, ngram_min, ngram_max)
+        if num_spec_tokens and self.proposer is None:
+            raise ValueError("num_spec_tokens > 0 needs a draft: 'ngram', a model folder or 'mlp:PATH'")
+        if max_num_batched_tokens < 1 + (num_spec_tokens or 0):
+            raise ValueError("max_num_batched_tokens must leave room for one token plus K drafts")
+        cache_models = [self.model] + ([self.proposer.model] if isinstance(self.proposer, DraftModelProposer) else [])
+        if num_blocks is None:  # one pool: a block id costs its K/V in the target and in the draft
+            num_blocks = int(kv_cache_gib * 2**30) // bytes_per_block(cache_models, block_size, self.dtype)
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.kv_caches = [allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device) for m in cache_models]
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = Counter()                    # engine-wide: steps, preemptions, spec steps...
+        self.k_histogram = Counter()              # K chosen per step
+
+    def make_proposer(self, draft, ngram_min, ngram_max):
+        if draft in (None, "", "none"):
+            return None
+        if draft == "ngram":
+            return NgramProposer(ngram_min, ngram_max)
+        if draft.startswith("mlp:"):
+            from models.mlp_speculator import load_speculator
+            speculator = load_speculator(draft[4:], self.dtype, self.device)
+            if (speculator.emb_dim, speculator.vocab_size) != (self.model.hidden_size, self.model.vocab_size):
+                raise ValueError(f"{draft}: speculator (emb_dim {speculator.emb_dim}, vocab {speculator.vocab_size}) "
+                                 f"does not fit the target (hidden {self.model.hidden_size}, vocab {self.model.vocab_size})")
+            if self.num_spec_tokens != "auto" and self.num_spec_tokens > speculator.n_predict:
+                raise ValueError(f"num_spec_tokens {self.num_spec_tokens} exceeds the speculator's n_predict "
+                                 f"{speculator.n_predict}")
+            return MLPProposer(speculator)
+        draft_model, _ = load_model(draft, self.dtype, self.device)
+        if draft_model.vocab_size != self.model.vocab_size:
+            raise ValueError(f"{draft}: draft vocabulary ({draft_model.vocab_size}) differs from the "
+                             f"target's ({self.model.vocab_size})")
+        return DraftModelProposer(draft_model)
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer.json: pass token ids instead of text")
+            prompt = self.tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.model.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.model.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens but the context is {self.max_model_len} "
+                             f"(max_model_len): it must leave room for at least one new token")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        needed = self.blocks.blocks_for(min(len(prompt) + params.max_tokens, self.max_model_len))
+        if needed > self.blocks.num_blocks:
+            raise ValueError(f"request needs {needed} KV blocks but the pool has {self.blocks.num_blocks}: "
+                             "raise num_blocks / kv_cache_gib or lower max_tokens")
+        seq = Sequence(prompt, params, self.device)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Sequence):
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- schedule -----------------------------------------------------------------------------
+    def choose_k(self) -> int:
+        """Engine-wide K for this step (0 = no speculation)."""
+        if self.proposer is None:
+            return 0
+        if self.spec_disable_batch_size is not None and len(self.running) > self.spec_disable_batch_size:
+            return 0
+        return self.num_spec_tokens
+
+    def preempt(self, seq: Sequence):
+        """Free the newest sequence's blocks; it is recomputed from its tokens when readmitted."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_cached = seq.num_draft_cached = 0
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget, scheduled, engine_k = self.max_num_batched_tokens, [], self.choose_k()
+        for seq in list(self.running):  # oldest first: the oldest always makes progress
+            if seq not in self.running or budget == 0:
+                continue  # preempted earlier in this loop, or no token budget left
+            num_tokens = min(len(seq) - seq.num_cached, budget)
+            decoding = num_tokens == 1 and seq.num_cached == len(seq) - 1
+            k = seq.params.num_spec_tokens if seq.params.num_spec_tokens is not None else engine_k
+            k = min(k, budget - num_tokens, self.max_model_len - len(seq)) if decoding and self.proposer else 0
+            while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + k):
+                if k > 0:
+                    k -= 1  # shrink the lookahead before preempting anyone
+                    continue
+                self.preempt(self.running[-1])
+                if seq not in self.running:
+                    break
+            if seq in self.running:
+                scheduled.append(ScheduledSeq(seq, num_tokens, k))
+                budget -= num_tokens + k
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = min(len(seq), budget)
+            if not self.blocks.ensure_slots(seq, num_tokens):
+                break
+            self.running.append(self.waiting.popleft())
+            scheduled.append(ScheduledSeq(seq, num_tokens, 0))
+            budget -= num_tokens
+        return scheduled
+
+    # -- one forward over a varlen batch --------------------------------------------------------
+    def forward(self, model, batch: list[tuple[Sequence, list[int], int]]):
+        """batch: (seq, tokens, start position). Returns hidden [T, H] and query_start_loc [B+1]."""
+        q_lens = [len(tokens) for _, tokens, _ in batch]
+        seq_lens = [start + len(tokens) for _, tokens, start in batch]
+        input_ids = torch.tensor([t for _, tokens, _ in batch for t in tokens])
+        positions = torch.cat([torch.arange(start, start + len(tokens)) for _, tokens, start in batch])
+        width = max(len(seq.block_table) for seq, _, _ in batch)
+        block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s, _, _ in batch])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(q_lens))
+        slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
+        query_start_loc = torch.tensor([0] + list(itertools.accumulate(q_lens)))
+        dev = self.device
+        set_context(AttentionContext(slot_mapping.to(dev), block_tables.to(dev), torch.tensor(seq_lens, device=dev),
+                                     query_start_loc.to(dev), max(q_lens), max(seq_lens)))
+        try:
+            hidden = model(input_ids.to(dev), positions.to(dev))
+        finally:
+            set_context(None)
+        return hidden, query_start_loc.to(dev)
+
+    def append_drafts(self, items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """Sample one draft token per item from the draft's probabilities (same temperature,
+        top-k and top-p as the target) and keep those probabilities for the rejection sampler."""
+        seqs = [item.seq for item in items]
+        probs = logits_to_probs(logits, seqs)
+        tokens = sample(probs, seqs)
+        for item, token, p in zip(items, tokens.tolist(), probs):
+            item.drafts.append(token)
+            item.draft_probs = p[None] if item.draft_probs is None else torch.cat([item.draft_probs, p[None]])
+        return tokens
+
+    # -- the step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the sequences that finished in it."""
+        scheduled = self.schedule()
+        if not scheduled:
+            return []
+        speculating = [item for item in scheduled if item.num_spec > 0]
+        if speculating:
+            self.proposer.propose(self, speculating)
+        self.stats["steps"] += 1
+        self.k_histogram[max((item.num_spec for item in scheduled), default=0)] += 1
+        # Verify: one target forward over every sequence's new tokens plus its drafts.
+        batch = [(it.seq, it.seq.token_ids[it.seq.num_cached:it.seq.num_cached + it.num_tokens] + it.drafts,
+                  it.seq.num_cached) for it in scheduled]
+        hidden, query_start = self.forward(self.model, batch)
+        sampling = [it for it in scheduled if it.samples]
+        for it in scheduled:
+            if not it.samples:
+                it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end
+        if not sampling:
+            return []
+        ends = [query_start[i + 1].item() for i, it in enumerate(scheduled) if it.samples]
+        rows = torch.tensor([r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)],
+                            device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        num_accepted, next_tokens = self.accept(sampling, logits)
+        finished = []
+        row = 0
+        for it, n, token in zip(sampling, num_accepted, next_tokens):
+            self.commit(it, n, token, hidden[rows[row + n]])
+            row += len(it.drafts) + 1
+            if it.seq.finish_reason is not None:
+                finished.append(it.seq)
+        return finished
+
+    def accept(self, sampling: list[ScheduledSeq], logits: torch.Tensor):
+        """Rejection sampling over the padded batch -> (num_accepted, next_token) per sequence."""
+        max_k = max(len(it.drafts) for it in sampling)
+        vocab = logits.shape[-1]
+        seqs_per_row = [it.seq for it in sampling for _ in range(len(it.drafts) + 1)]
+        probs_rows = logits_to_probs(logits, seqs_per_row).split([len(it.drafts) + 1 for it in sampling])
+        target_probs = torch.zeros(len(sampling), max_k + 1, vocab, device=self.device)
+        draft_tokens = torch.zeros(len(sampling), max_k, dtype=torch.long, device=self.device)
+        one_hot_drafts = all(it.draft_probs is None for it in sampling)
+        draft_probs = None if one_hot_drafts else torch.zeros(len(sampling), max_k, vocab, device=self.device)
+        uniform = torch.zeros(len(sampling), max_k, device=self.device)
+        for b, (it, p) in enumerate(zip(sampling, probs_rows)):
+            k = len(it.drafts)
+            target_probs[b, :k + 1] = p
+            draft_tokens[b, :k] = torch.tensor(it.drafts, dtype=torch.long)
+            if draft_probs is not None and k:
+                draft_probs[b, :k] = it.draft_probs
+            if k and it.seq.params.temperature > 0:
+                uniform[b, :k] = torch.rand(k, generator=it.seq.generator, device=self.device)
+        noise = torch.cat([exp_noise(it.seq, 1, vocab, self.device) for it in sampling])
+        num_drafts = torch.tensor([len(it.drafts) for it in sampling], device=self.device)
+        num_accepted, next_tokens = kernels.rejection_sample(target_probs, draft_tokens, draft_probs,
+                                                             num_drafts, uniform, noise)
+        return num_accepted.tolist(), next_tokens.tolist()
+
+    # -- commit -----------------------------------------------------------------------------
+    def commit(self, it: ScheduledSeq, num_accepted: int, token: int, hidden_row: torch.Tensor):
+        seq, k = it.seq, len(it.drafts)
+        # The last token and the accepted drafts now have valid K/V; rejected slots get overwritten later.
+        seq.num_cached = len(seq) + num_accepted
+        seq.num_draft_cached = min(seq.num_draft_cached, seq.num_cached)
+        seq.last_hidden = hidden_row
+        if it.num_spec:
+            seq.num_spec_steps += 1
+            seq.num_drafted += k
+            seq.num_accepted += num_accepted
+            seq.drafted_per_position.update(range(k))
+            seq.accepted_per_position.update(range(num_accepted))
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        for t in it.drafts[:num_accepted] + [token]:
+            seq.token_ids.append(t)
+            if self.check_stop(seq):
+                break
+        if seq.finish_reason is None:
+            self.blocks.trim(seq, len(seq))  # give back lookahead blocks that rejected drafts used
+        else:
+            self.finish(seq)
+
+    def check_stop(self, seq: Sequence) -> bool:
+        p, last = seq.params, seq.token_ids[-1]
+        if (not p.ignore_eos and last in self.eos_ids) or last in (p.stop_token_ids or ()):
+            seq.finish_reason = "stop"
+        elif p.stop:
+            text = self.tokenizer.decode(seq.output_ids)
+            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                seq.finish_reason, seq.text = "stop", text[:min(hits)]
+        if seq.finish_reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len):
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def finish(self, seq: Sequence):
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.finish_time = time.perf_counter()
+        if seq.text is None and self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_ids)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        first = seq.first_token_time or seq.finish_time
+        n = len(seq.output_ids)
+        return RequestOutput(
+            seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, seq.text, seq.finish_reason,
+            seq.num_drafted, seq.num_accepted, seq.num_spec_steps,
+            {i: seq.accepted_per_position[i] / seq.drafted_per_position[i] for i in sorted(seq.drafted_per_position)},
+            ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(n - 1, 1),
+            latency=seq.finish_time - seq.arrival_time)
+
+
+class LLM(LLMEngine):
+    """The offline API: LLM(model).generate(prompts, sampling_params)."""
+
+    def generate(self, prompts, sampling_params=None, use_progress: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        seqs = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                seqs.append(self.add_request(prompt, params))
+        except ValueError:
+            for seq in seqs:  # a bad request in the list leaves nothing behind
+                self.abort(seq)
+            raise
+        from rich.progress import Progress
+        with Progress(transient=True, disable=not use_progress) as progress:
+            task = progress.add_task("generating", total=len(seqs))
+            while any(seq.finish_reason is None for seq in seqs):
+                progress.advance(task, len(self.step()))
+        return [self.output(seq) for seq in seqs]

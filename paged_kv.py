@@ -1,0 +1,62 @@
+# The paged KV pool: which cache blocks each sequence owns, and the cache tensors those block ids index.
+# One pool serves the target and the draft model (a block id indexes both caches). It must never hand
+# one block to two sequences or lose one: free + used == total at every moment.
+import math
+
+import torch
+
+
+class BlockManager:
+    """Owns the free list. A sequence is anything with a `block_table` list of block ids."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def ensure_slots(self, seq, num_tokens: int) -> bool:
+        """Make seq's block table cover positions [0, num_tokens). All or nothing: False if short."""
+        missing = self.blocks_for(num_tokens) - len(seq.block_table)
+        if missing > len(self.free_blocks):
+            return False
+        for _ in range(missing):
+            seq.block_table.append(self.free_blocks.pop())
+        return True
+
+    def trim(self, seq, num_tokens: int):
+        """Release the blocks wholly beyond position num_tokens (rejected lookahead, shrunk K)."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self.free_blocks.append(seq.block_table.pop())
+
+    def free(self, seq):
+        self.trim(seq, 0)
+
+    def slot(self, seq, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+
+def kv_cache_shape(model, num_blocks: int, block_size: int) -> tuple:
+    """[2 (K and V), num_layers, num_blocks, block_size, num_kv_heads, head_dim] for one model."""
+    return (2, model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+
+
+def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
+    """What one block id costs across every model that shares the pool (target and draft)."""
+    per_token = sum(2 * m.num_layers * m.num_kv_heads * m.head_dim for m in models)
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
+    """Allocate one model's cache and hand each attention layer its K and V views."""
+    cache = torch.zeros(kv_cache_shape(model, num_blocks, block_size), dtype=dtype, device=device)
+    for i, attn in enumerate(model.attention_layers()):
+        attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
+    return cache
