@@ -40,3 +40,39 @@ def write_checkpoint(path, config_and_cls, seed=0, max_shard_size=None):
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return model
+
+
+def write_mlp_speculator(path, emb_dim, vocab=VOCAB, n_predict=4, inner_dim=0, tie_weights=False,
+                         scale_input=True, seed=0):
+    """A random speculator in the ibm-fms accelerator layout (config.json + `speculator.*` tensors)."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    inner = inner_dim or emb_dim
+    tensors = {}
+    for i in range(n_predict):
+        if tie_weights and i > (1 if i else 0):  # tied: one emb/head/ln for all heads, one proj for heads >= 1
+            continue
+        tensors[f"speculator.proj.{i}.weight"] = torch.randn(inner, emb_dim if i == 0 else inner, generator=g) * 0.1
+        if tie_weights and i > 0:
+            continue
+        tensors[f"speculator.emb.{i}.weight"] = torch.randn(vocab, inner, generator=g) * 0.1
+        tensors[f"speculator.head.{i}.weight"] = torch.randn(vocab, inner, generator=g) * 0.1
+        tensors[f"speculator.ln.{i}.weight"] = 1 + 0.1 * torch.randn(inner, generator=g)
+        tensors[f"speculator.ln.{i}.bias"] = 0.1 * torch.randn(inner, generator=g)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    config = dict(model_type="mlp_speculator", architectures=["MLPSpeculatorPreTrainedModel"], emb_dim=emb_dim,
+                  inner_dim=inner_dim, n_predict=n_predict, vocab_size=vocab, tie_weights=tie_weights,
+                  scale_input=scale_input, torch_dtype="float32")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def write_char_tokenizer(path):
+    """A 96-token character tokenizer (id 0 = <unk>, then printable ASCII), so text-level features
+    (stop strings, prompts as text) can be tested on tiny random models. Id 2 is '!', the tiny EOS."""
+    from tokenizers import Tokenizer, decoders, models
+    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
