@@ -523,3 +523,121 @@ class LLM(LLMEngine):
             while any(seq.finish_reason is None for seq in seqs):
                 progress.advance(task, len(self.step()))
         return [self.output(seq) for seq in seqs]
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="nanospec: generate with (speculative) decoding")
+    p.add_argument("--model", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="JSONL with a 'prompt' field, or MT-bench style 'turns'")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--draft", help="'ngram', a draft model folder, or 'mlp:PATH' (an MLP speculator)")
+    p.add_argument("--num-spec-tokens", default="0", help="K drafts per step, or 'auto'")
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--spec-disable-batch-size", type=int,
+                   help="run without speculation while more than this many sequences are running")
+    p.add_argument("--json", help="write one JSON object per request to this file")
+    return p.parse_args(argv)
+
+
+def read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if "prompt" not in row and "turns" not in row:
+                        raise ValueError(f"{args.prompts_file}:{i}: needs a 'prompt' or 'turns' field")
+                    prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
+    return prompts or ["Write a short poem about the sea."]
+
+
+def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
+    from rich.table import Table
+    table = Table(title="nanospec run")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    num_tokens = sum(len(o.token_ids) for o in outputs)
+    median = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
+    rows = [("requests", len(outputs)), ("output tokens", num_tokens), ("elapsed (s)", f"{elapsed:.2f}"),
+            ("output tok/s", f"{num_tokens / elapsed:.1f}"),
+            ("TTFT median (ms)", f"{1000 * median([o.ttft for o in outputs]):.1f}"),
+            ("TPOT median (ms)", f"{1000 * median([o.tpot for o in outputs]):.1f}")]
+    drafted, accepted = sum(o.num_draft_tokens for o in outputs), sum(o.num_accepted_tokens for o in outputs)
+    spec_steps = sum(o.num_spec_steps for o in outputs)
+    if llm.proposer is not None:
+        per_position = spec_metrics(outputs)["acceptance_per_position"]
+        rows += [("drafted tokens", drafted), ("accepted tokens", accepted),
+                 ("acceptance rate", f"{accepted / max(drafted, 1):.2%}"),
+                 ("mean accepted length", f"{1 + accepted / max(spec_steps, 1):.2f}"),
+                 ("acceptance per position", " ".join(f"{a:.2f}" for a in per_position)),
+                 ("K per step (K: steps)", " ".join(f"{k}:{n}" for k, n in sorted(llm.k_histogram.items())))]
+    for name, value in rows:
+        table.add_row(name, str(value))
+    return table
+
+
+def spec_metrics(outputs: list[RequestOutput]) -> dict:
+    drafted, accepted = Counter(), Counter()
+    for o in outputs:
+        for pos, rate in o.accepted_per_position.items():
+            drafted[pos] += 1
+            accepted[pos] += rate
+    return {"acceptance_per_position": [accepted[i] / drafted[i] for i in sorted(drafted)]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from rich.console import Console
+    console = Console()
+    try:
+        k = args.num_spec_tokens if args.num_spec_tokens == "auto" else int(args.num_spec_tokens)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                  num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  draft=args.draft, num_spec_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                  spec_disable_batch_size=args.spec_disable_batch_size)
+        prompts = read_prompts(args)
+        if args.chat:
+            if llm.tokenizer is None:
+                raise ValueError("--chat needs a tokenizer.json in the model folder")
+            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+    except (ValueError, FileNotFoundError, RuntimeError, json.JSONDecodeError) as e:
+        print(f"nanospec: error: {e}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(prompts, outputs):
+        console.rule(f"[bold]{out.finish_reason}[/] · {len(out.token_ids)} tokens")
+        console.print(out.text if out.text is not None else out.token_ids, highlight=False, markup=False)
+    console.print(summary_table(outputs, elapsed, llm))
+    if args.json:
+        with open(args.json, "w") as f:
+            for prompt, out in zip(prompts, outputs):
+                f.write(json.dumps({"prompt": prompt, **out.__dict__}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+# The rejection sampler is lossless: emitted tokens follow the target distribution exactly, for
+# stochastic and one-hot drafts, at the first position, at recovered positions and at the bonus.
+# Each test can fail: it compares sampled frequencies with the exact distribution (chi-square and
+# total variation against random reference distributions).
+import pytest
+import torch
+
+from kernels import torch_rejection_sample
+from nanospec import SamplingParams, Sequence, logits_to_probs
+
+V, LENGTH = 5, 3  # vocabulary, and how many tokens each simulated generation keeps
+
+
+def simulate(target, draft, k, num_chains, one_hot_draft, seed, sampler=torch_rejection_sample):
+    """Run num_chains generations of LENGTH tokens in a synthetic world where the target's next-token
+    distribution at position i is target[i] and the draft's is draft[i] (or the fixed token
+    draft[i].argmax() for one-hot drafts). Steps repeat: draft k tokens, verify, accept, commit."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.arange(num_chains)
+    pad = LENGTH + k + 1  # finished chains keep stepping (masked); positions stay below this
+    target = torch.cat([target, target[-1:].expand(pad + k + 1 - len(target), V)])
+    draft = torch.cat([draft, draft[-1:].expand(pad + k + 1 - len(draft), V)])
+    out = torch.full((num_chains, pad), -1)
+    pos = torch.zeros(num_chains, dtype=torch.long)
+    while (pos < LENGTH).any():
+        active = pos < LENGTH
+        steps = pos.clamp(max=LENGTH)[:, None] + torch.arange(k + 1)
+        q = draft[steps[:, :k]]
+        if one_hot_draft:
+            tokens, q = q.argmax(-1), None
+        else:
+            tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(num_chains, k)
+        uniform = torch.rand(num_chains, k, generator=g)
+        noise = torch.empty(num_chains, V).exponential_(generator=g)
+        n, nxt = sampler(target[steps], tokens, q, torch.full((num_chains,), k), uniform, noise)
+        emitted = torch.cat([tokens, torch.zeros(num_chains, 1, dtype=torch.long)], 1)
+        emitted[rows, n] = nxt  # accepted drafts, then the recovered or bonus token
+        write = (torch.arange(k + 1) <= n[:, None]) & active[:, None]
+        cols = (pos[:, None] + torch.arange(k + 1)).clamp(max=pad - 1)
+        out[rows[:, None].expand_as(cols)[write], cols[write]] = emitted[write]
+        pos += (n + 1) * active
+    return out[:, :LENGTH]
+
+
+def joint_histogram(samples):
+    index = sum(samples[:, i] * V ** (LENGTH - 1 - i) for i in range(LENGTH))
+    return torch.bincount(index, minlength=V ** LENGTH).double() / len(samples)
+
+
+def joint_exact(target):
+    joint = target[0]
+    for i in range(1, LENGTH):
+        joint = (joint[:, None] * target[i][None, :]).flatten()
+    return joint.double()
+
+
+def chi_square(freq, exact, n):
+    keep = exact * n >= 5
+    return (n * (freq[keep] - exact[keep]) ** 2 / exact[keep]).sum().item(), int(keep.sum()) - 1
+
+
+def random_dists(g, rows, peaked=1.0):
+    return torch.softmax(peaked * torch.randn(rows, V, generator=g), dim=-1)
+
+
+@pytest.mark.parametrize("one_hot_draft", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_emitted_tokens_follow_the_target(k, one_hot_draft):
+    seed = torch.randint(10**6, ()).item()
+    g = torch.Generator().manual_seed(seed)
+    target, draft = random_dists(g, LENGTH, 1.5), random_dists(g, LENGTH, 1.5)
+    exact = joint_exact(target)
+    n = 40_000
+    freq = joint_histogram(simulate(target, draft, k, n, one_hot_draft, seed))
+    chi2, dof = chi_square(freq, exact, n)
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5, f"seed {seed}: chi2 {chi2:.1f} with {dof} dof"
+    tv = 0.5 * (freq - exact).abs().sum().item()
+    for _ in range(5):  # the sampled histogram is closer to the target than to random look-alikes
+        other = joint_exact(random_dists(g, LENGTH, 1.5))
+        assert tv < 0.5 * (freq - other).abs().sum().item()
+
+
+def test_distance_shrinks_like_one_over_sqrt_n():
+    g = torch.Generator().manual_seed(7)
+    target, draft = random_dists(g, LENGTH, 1.5), random_dists(g, LENGTH, 1.5)
+    exact = joint_exact(target)
+    tv = {}
+    for n in (2_000, 32_000):
+        runs = [0.5 * (joint_histogram(simulate(target, draft, 2, n, False, s)) - exact).abs().sum().item()
+                for s in range(3)]
+        tv[n] = sum(runs) / len(runs)
+    assert tv[32_000] < tv[2_000] / 2.5  # 1/sqrt(N) predicts a factor of 4
+
+
+def test_broken_residual_or_bonus_is_detected():
+    """The statistic above catches the two classic mistakes: resampling from p instead of the residual
+    after a rejection, and taking the bonus token from the last draft's row."""
+    g = torch.Generator().manual_seed(3)
+    target, draft = random_dists(g, LENGTH, 2.0), random_dists(g, LENGTH, 2.0)
+    exact, n = joint_exact(target), 40_000
+
+    def broken_residual(p, d, q, nd, u, e):
+        num_accepted, _ = torch_rejection_sample(p, d, q, nd, u, e)
+        return num_accepted, (p[torch.arange(len(p)), num_accepted] / e).argmax(-1)
+
+    def broken_bonus(p, d, q, nd, u, e):
+        return torch_rejection_sample(torch.cat([p[:, :-1], p[:, -2:-1]], 1), d, q, nd, u, e)
+
+    for broken in (broken_residual, broken_bonus):
+        freq = joint_histogram(simulate(target, draft, 2, n, False, 0, sampler=broken))
+        chi2, dof = chi_square(freq, exact, n)
+        assert chi2 > dof + 6 * (2 * dof) ** 0.5
+
+
+def test_greedy_reduces_to_argmax_matching():
+    p = torch.tensor([[[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]]])
+    greedy = torch.nn.functional.one_hot(p.argmax(-1), 3).float()
+    for drafts, expected in (([1, 0], (2, 2)), ([1, 2], (1, 0)), ([0, 0], (0, 1))):
+        n, tok = torch_rejection_sample(greedy, torch.tensor([drafts]), None, torch.tensor([2]),
+                                        torch.rand(1, 2), torch.ones(1, 3))
+        assert (n.item(), tok.item()) == expected
+
+
+def test_top_k_top_p_and_temperature_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]] * 4))
+    seqs = [Sequence([1], SamplingParams(**kw), "cpu") for kw in
+            (dict(temperature=1.0), dict(top_k=2), dict(top_p=0.7), dict(temperature=0))]
+    probs = logits_to_probs(logits, seqs)
+    assert torch.allclose(probs[0], torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    assert torch.allclose(probs[1], torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert torch.allclose(probs[2], torch.tensor([2 / 3, 1 / 3, 0, 0]))  # 0.5 < 0.7 needs the second token
+    assert torch.equal(probs[3], torch.tensor([1.0, 0, 0, 0]))
+    hot = logits_to_probs(logits[:1], [Sequence([1], SamplingParams(temperature=0.5), "cpu")])
+    assert torch.allclose(hot[0], torch.softmax(logits[0] / 0.5, -1))
