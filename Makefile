@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The default model on input-grounded prompts: a plain run, then n-gram speculation (see the acceptance table).
+DEMO := $(BIN)/python nanospec.py --chat --prompts-file examples/grounded.jsonl --max-tokens 160 --dtype bfloat16
 demo: install
-	$(BIN)/python nanospec.py --demo
+	$(DEMO)
+	$(DEMO) --draft ngram --num-spec-tokens 4
 
 test: install
 	$(BIN)/python -m pytest -q tests
