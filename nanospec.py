@@ -211,6 +211,55 @@ class MLPProposer:
 
 
 # ---------------------------------------------------------------------------------------------
+# Dynamic speculation: --num-spec-tokens auto
+# ---------------------------------------------------------------------------------------------
+def interpolate(table: dict[int, float], x: int) -> float:
+    """Piecewise-linear lookup in a {size: seconds} table; proportional beyond the largest size."""
+    sizes = sorted(table)
+    if x >= sizes[-1]:
+        return table[sizes[-1]] * x / sizes[-1]
+    hi = next(i for i, s in enumerate(sizes) if s >= x)
+    if hi == 0:
+        return table[sizes[0]]
+    (x0, x1) = sizes[hi - 1], sizes[hi]
+    return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
+
+
+class GoodputChooser:
+    """Pick K each step to maximise expected tokens per second (goodput).
+
+    With a_i the rate at which draft position i is accepted given that every earlier one was, a step
+    with K drafts emits E(K) = 1 + a_0 + a_0*a_1 + ... + a_0*...*a_{K-1} tokens per sequence (the
+    recovered or bonus token always comes). For B decoding sequences it costs
+    verify(B*(K+1) tokens) + K * draft_step(B), so goodput(K) = B * E(K) / cost(K), and K = 0 is plain
+    decoding. The a_i are EMAs over observed steps (neutral prior 0.5); the costs are tables of
+    measured seconds, seeded by a short profile at start-up and refined (EMA) from real steps.
+    """
+
+    def __init__(self, k_max: int, verify_time: dict[int, float], ema: float = 0.1):
+        self.k_max, self.ema = k_max, ema
+        self.acceptance = [0.5] * k_max
+        self.verify_time = dict(verify_time)   # tokens in the target forward -> seconds
+        self.draft_time = {1: 0.0}             # sequences drafting -> seconds per draft step
+
+    def expected_tokens(self, k: int) -> float:
+        return 1 + sum(math.prod(self.acceptance[:i + 1]) for i in range(k))
+
+    def choose(self, batch_size: int) -> int:
+        def goodput(k):
+            cost = interpolate(self.verify_time, batch_size * (k + 1)) + k * interpolate(self.draft_time, batch_size)
+            return batch_size * self.expected_tokens(k) / cost
+        return max(range(self.k_max + 1), key=goodput)
+
+    def observe_acceptance(self, num_drafts: int, num_accepted: int):
+        for i in range(min(num_accepted + 1, num_drafts)):  # positions past the first rejection are unseen
+            self.acceptance[i] += self.ema * ((i < num_accepted) - self.acceptance[i])
+
+    def observe_time(self, table: dict[int, float], size: int, seconds: float):
+        table[size] = seconds if size not in table else table[size] + self.ema * (seconds - table[size])
+
+
+# ---------------------------------------------------------------------------------------------
 # The engine
 # ---------------------------------------------------------------------------------------------
 class LLMEngine:
@@ -232,9 +281,11 @@ class LLMEngine:
         self.num_spec_tokens = num_spec_tokens
         self.spec_disable_batch_size = spec_disable_batch_size
         self.proposer = self.make_proposer(draft, ngram_min, ngram_max)
+        if num_spec_tokens != "auto" and not (isinstance(num_spec_tokens, int) and num_spec_tokens >= 0):
+            raise ValueError(f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}")
         if num_spec_tokens and self.proposer is None:
             raise ValueError("num_spec_tokens > 0 needs a draft: 'ngram', a model folder or 'mlp:PATH'")
-        if max_num_batched_tokens < 1 + (num_spec_tokens or 0):
+        if max_num_batched_tokens < 1 + (num_spec_tokens if num_spec_tokens != "auto" else 8):
             raise ValueError("max_num_batched_tokens must leave room for one token plus K drafts")
         cache_models = [self.model] + ([self.proposer.model] if isinstance(self.proposer, DraftModelProposer) else [])
         if num_blocks is None:  # one pool: a block id costs its K/V in the target and in the draft
@@ -247,6 +298,10 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.stats = Counter()                    # engine-wide: steps, preemptions, spec steps...
         self.k_histogram = Counter()              # K chosen per step
+        self.chooser = None
+        if num_spec_tokens == "auto":
+            k_max = self.proposer.model.n_predict if isinstance(self.proposer, MLPProposer) else 8
+            self.chooser = GoodputChooser(k_max, self.profile_verify(max_num_seqs * (k_max + 1)))
 
     def make_proposer(self, draft, ngram_min, ngram_max):
         if draft in (None, "", "none"):
@@ -311,7 +366,24 @@ class LLMEngine:
             return 0
         if self.spec_disable_batch_size is not None and len(self.running) > self.spec_disable_batch_size:
             return 0
-        return self.num_spec_tokens
+        return self.chooser.choose(max(len(self.running), 1)) if self.chooser else self.num_spec_tokens
+
+    def profile_verify(self, max_tokens: int) -> dict[int, float]:
+        """Seconds per target forward for 1, 2, 4, ... tokens: the chooser's starting cost table."""
+        table, probe = {}, Sequence([0], SamplingParams(), self.device)
+        tokens = 1
+        while tokens <= min(max_tokens, 512, self.blocks.num_blocks * self.block_size, self.max_model_len):
+            self.blocks.ensure_slots(probe, tokens)
+            with torch.inference_mode():
+                times = []
+                for _ in range(2):
+                    start = time.perf_counter()
+                    self.forward(self.model, [(probe, [0] * tokens, 0)])
+                    times.append(time.perf_counter() - start)
+            table[tokens] = min(times)
+            tokens *= 2
+        self.blocks.free(probe)
+        return table
 
     def preempt(self, seq: Sequence):
         """Free the newest sequence's blocks; it is recomputed from its tokens when readmitted."""
@@ -391,14 +463,23 @@ class LLMEngine:
         if not scheduled:
             return []
         speculating = [item for item in scheduled if item.num_spec > 0]
+        start = time.perf_counter()
         if speculating:
             self.proposer.propose(self, speculating)
+        drafted = time.perf_counter()
         self.stats["steps"] += 1
         self.k_histogram[max((item.num_spec for item in scheduled), default=0)] += 1
         # Verify: one target forward over every sequence's new tokens plus its drafts.
         batch = [(it.seq, it.seq.token_ids[it.seq.num_cached:it.seq.num_cached + it.num_tokens] + it.drafts,
                   it.seq.num_cached) for it in scheduled]
         hidden, query_start = self.forward(self.model, batch)
+        if self.chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            now, k = time.perf_counter(), max(it.num_spec for it in scheduled)
+            self.chooser.observe_time(self.chooser.verify_time, int(query_start[-1]), now - drafted)
+            if speculating:
+                self.chooser.observe_time(self.chooser.draft_time, len(speculating), (drafted - start) / k)
         sampling = [it for it in scheduled if it.samples]
         for it in scheduled:
             if not it.samples:
@@ -451,6 +532,8 @@ class LLMEngine:
         seq.num_cached = len(seq) + num_accepted
         seq.num_draft_cached = min(seq.num_draft_cached, seq.num_cached)
         seq.last_hidden = hidden_row
+        if it.num_spec and self.chooser:
+            self.chooser.observe_acceptance(k, num_accepted)
         if it.num_spec:
             seq.num_spec_steps += 1
             seq.num_drafted += k

@@ -1,0 +1,88 @@
+# Dynamic speculation: the goodput chooser on synthetic numbers, and greedy equality while speculation
+# switches off and back on mid-generation (the draft model's lagging cache must catch up correctly).
+import pytest
+
+import tiny
+from nanospec import LLM, GoodputChooser, SamplingParams, interpolate
+from test_engine import GREEDY, prompts
+
+
+def test_interpolate():
+    table = {1: 1.0, 4: 2.0, 8: 6.0}
+    assert interpolate(table, 1) == 1.0 and interpolate(table, 2) == pytest.approx(4 / 3)
+    assert interpolate(table, 6) == 4.0 and interpolate(table, 16) == 12.0
+
+
+def test_expected_tokens_and_acceptance_tracking():
+    chooser = GoodputChooser(3, {1: 1.0})
+    chooser.acceptance = [0.5, 0.5, 0.5]
+    assert chooser.expected_tokens(0) == 1 and chooser.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125
+    chooser.observe_acceptance(num_drafts=3, num_accepted=1)  # pos 0 accepted, pos 1 rejected, pos 2 unseen
+    assert chooser.acceptance[0] > 0.5 and chooser.acceptance[1] < 0.5 and chooser.acceptance[2] == 0.5
+
+
+def test_chooser_turns_speculation_off_when_verification_is_expensive():
+    linear = {t: 0.01 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}  # every verified token costs the same
+    chooser = GoodputChooser(8, linear)
+    chooser.acceptance = [0.6] * 8
+    assert chooser.choose(1) == 0 and chooser.choose(16) == 0
+
+
+def test_chooser_speculates_when_verification_is_cheap_and_acceptance_high():
+    flat = {t: 0.02 + 0.0001 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}  # memory-bound: tokens nearly free
+    chooser = GoodputChooser(8, flat)
+    chooser.acceptance = [0.9] * 8
+    assert chooser.choose(1) == 8
+    chooser.acceptance = [0.3] * 8
+    assert 0 < chooser.choose(1) < 8
+    # A batch large enough that verification becomes compute-bound makes speculation lose again.
+    steep = {1: 0.02, 16: 0.03, 32: 0.06, 64: 0.12, 128: 0.24}
+    chooser = GoodputChooser(8, steep)
+    chooser.acceptance = [0.6] * 8
+    assert chooser.choose(1) > 0 and chooser.choose(64) == 0
+
+
+def test_chooser_counts_draft_cost():
+    chooser = GoodputChooser(8, {t: 0.02 for t in (1, 2, 4, 8, 16)})
+    chooser.acceptance = [0.5] * 8
+    cheap = chooser.choose(1)
+    chooser.draft_time = {1: 0.05}  # each draft step costs more than a whole verification
+    assert chooser.choose(1) < cheap
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target = tmp_path_factory.mktemp("target")
+    tiny.write_checkpoint(target, tiny.llama_like())
+    draft = tmp_path_factory.mktemp("draft")
+    tiny.write_checkpoint(draft, tiny.llama_like(num_hidden_layers=1), seed=1)
+    plain = LLM(str(target), dtype="float32", block_size=4, num_blocks=256)
+    return str(target), str(draft), plain
+
+
+@pytest.mark.parametrize("draft", ["self", "other", "ngram"])
+def test_speculation_switches_off_and_on_keeping_greedy_output(models, draft):
+    target, other, plain = models
+    # Requests of different lengths: 6 run at first (> 3: no speculation), then as they finish the
+    # batch drops to 3 or fewer and speculation resumes; the draft's cache has lagged and catches up.
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(6)]
+    expected = [o.token_ids for o in plain.generate(prompts(6), params, use_progress=False)]
+    draft_arg = {"self": target, "other": other, "ngram": "ngram"}[draft]
+    llm = LLM(target, dtype="float32", block_size=2, num_blocks=256, draft=draft_arg, num_spec_tokens=3,
+              spec_disable_batch_size=3)
+    outs = llm.generate(prompts(6), params, use_progress=False)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.k_histogram[0] > 1 and llm.k_histogram[3] > 0
+    if draft == "self":
+        assert all(o.num_accepted_tokens == o.num_draft_tokens for o in outs)
+
+
+def test_auto_k_keeps_greedy_output(models):
+    target, other, plain = models
+    expected = [o.token_ids for o in plain.generate(prompts(6), GREEDY, use_progress=False)]
+    for draft in (target, "ngram"):
+        llm = LLM(target, dtype="float32", block_size=2, num_blocks=256, draft=draft, num_spec_tokens="auto")
+        assert llm.chooser is not None and llm.chooser.verify_time
+        outs = llm.generate(prompts(6), GREEDY, use_progress=False)
+        assert [o.token_ids for o in outs] == expected
+        assert sum(llm.k_histogram.values()) == llm.stats["steps"]
