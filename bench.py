@@ -1,0 +1,227 @@
+# Throughput, latency and acceptance sweeps: every (method, K, batch size) runs the same prompts in the
+# same process, after a warm-up, with repeats and medians, beside plain decoding (and optionally
+# transformers). Speed claims live here, never in unit tests. It must never mix numbers from
+# different runs, dtypes or machines into one ratio.
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from nanospec import LLM, SamplingParams, spec_metrics
+
+# Functions of Python's standard library: an input-grounded workload any machine can build offline
+# (the model is asked to rewrite code that is in its prompt, where prompt lookup should shine).
+GROUNDED_SOURCES = ["textwrap.dedent", "shlex.split", "fnmatch.translate", "json.dumps", "base64.b64encode",
+                    "string.capwords", "statistics.median", "heapq.merge", "heapq.nlargest",
+                    "textwrap.indent", "calendar.isleap", "colorsys.rgb_to_hsv", "glob.escape",
+                    "difflib.get_close_matches", "difflib.unified_diff", "html.escape"]
+
+
+def grounded_workload() -> list[str]:
+    import importlib
+    prompts = []
+    for name in GROUNDED_SOURCES:
+        module, func = name.rsplit(".", 1)
+        source = inspect.getsource(getattr(importlib.import_module(module), func))
+        prompts.append(f"Here is a Python function:\n\n```python\n{source}```\n\n"
+                       "Rewrite this function with a short comment above each block. Show the whole function.")
+    return prompts
+
+
+def read_workload(spec: str) -> list[str]:
+    if spec == "grounded":
+        return grounded_workload()
+    with open(spec) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row["prompt"] if "prompt" in row else row["turns"][0] for row in rows]
+
+
+def percentile(xs, q):
+    return float(np.percentile(xs, q)) if xs else 0.0
+
+
+def run_nanospec(llm: LLM, prompts, params, repeat):
+    """Median-throughput run of all prompts submitted at once (batch = len(prompts))."""
+    runs = []
+    for _ in range(repeat):
+        llm.k_histogram.clear()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_progress=False)
+        elapsed = time.perf_counter() - start
+        runs.append((sum(len(o.token_ids) for o in outs) / elapsed, elapsed, outs, dict(llm.k_histogram)))
+    tok_s, elapsed, outs, k_hist = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    drafted = sum(o.num_draft_tokens for o in outs)
+    accepted = sum(o.num_accepted_tokens for o in outs)
+    steps = sum(o.num_spec_steps for o in outs)
+    return {
+        "tok_s": tok_s, "req_s": len(prompts) / elapsed, "tok_s_runs": [r[0] for r in runs],
+        "output_tokens": sum(len(o.token_ids) for o in outs),
+        "ttft_p50": percentile([o.ttft for o in outs], 50), "ttft_p90": percentile([o.ttft for o in outs], 90),
+        "tpot_p50": percentile([o.tpot for o in outs], 50), "tpot_p90": percentile([o.tpot for o in outs], 90),
+        "drafted": drafted, "accepted": accepted,
+        "mean_accepted_length": 1 + accepted / steps if steps else None,
+        "acceptance_per_position": spec_metrics(outs)["acceptance_per_position"],
+        "k_per_step": k_hist,
+    }
+
+
+def run_hf(model, tokenizer, prompts, max_tokens, repeat, prompt_lookup=None):
+    """transformers generate on the same prompts: one padded batch (prompt lookup only at batch 1)."""
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    kwargs = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+    runs = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**batch, **kwargs)
+        elapsed = time.perf_counter() - start
+        new = out[:, batch["input_ids"].shape[1]:]
+        eos = tokenizer.eos_token_id
+        # Count real tokens: up to and including each row's first EOS (padding after it is not output).
+        counts = [int((row == eos).nonzero()[0]) + 1 if (row == eos).any() else len(row) for row in new]
+        runs.append(sum(counts) / elapsed)
+    return {"tok_s": statistics.median(runs), "tok_s_runs": runs}
+
+
+def machine_info(dtype):
+    return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "dtype": dtype,
+            "python": platform.python_version()}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps ('bench.py kernels' times kernels)")
+    p.add_argument("--model", default="default", help="model folder, or 'default' (embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default="none,ngram", help="comma list of: none, ngram, PATH, mlp:PATH")
+    p.add_argument("--num-spec-tokens", default="4", help="comma list of K values and/or 'auto'")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--workload", default="grounded", help="'grounded' (built in) or a JSONL file")
+    p.add_argument("--num-prompts", type=int, default=0, help="prompts per run (default: the batch size)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--spec-disable-batch-size", type=int)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json", help="write every raw number here")
+    return p.parse_args(argv)
+
+
+def sweep(args):
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+    model = None if args.model == "default" else args.model
+    drafts = args.draft.split(",")
+    ks = [k if k == "auto" else int(k) for k in args.num_spec_tokens.split(",")]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    configs = [("none", 0)] * ("none" in drafts) + [(d, k) for d in drafts if d != "none" for k in ks]
+    results, engines = [], {}
+    base = LLM(model, dtype=args.dtype, max_num_seqs=max(batch_sizes))
+    all_prompts = read_workload(args.workload)
+    if args.chat and base.tokenizer and base.tokenizer.chat_template:
+        all_prompts = [base.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in all_prompts]
+    hf = None
+    if args.baseline == "hf":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from models.gguf import default_model_path
+        path = model or default_model_path()
+        hf = (AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval(),
+              AutoTokenizer.from_pretrained(path))
+    with Progress(transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(configs) * len(batch_sizes))
+        for draft, k in configs:
+            llm = base if draft == "none" else LLM(model, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=draft,
+                                                   num_spec_tokens=k, spec_disable_batch_size=args.spec_disable_batch_size)
+            for b in batch_sizes:
+                n = args.num_prompts or b
+                prompts = [all_prompts[i % len(all_prompts)] for i in range(n)]
+                llm.max_num_seqs = b
+                llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_progress=False)  # warm-up
+                row = {"method": draft, "k": k, "batch": b, **run_nanospec(llm, prompts, params, args.repeat)}
+                if hf and draft in ("none", "ngram") and (draft == "none" or b == 1):
+                    row["hf_tok_s"] = run_hf(*hf, prompts, args.max_tokens, args.repeat,
+                                             prompt_lookup=k if draft == "ngram" else None)["tok_s"]
+                results.append(row)
+                progress.advance(task)
+    plain = {r["batch"]: r["tok_s"] for r in results if r["method"] == "none"}
+    for r in results:
+        r["speedup_vs_plain"] = r["tok_s"] / plain[r["batch"]] if r["batch"] in plain else None
+        r["speedup_vs_hf"] = r["tok_s"] / r["hf_tok_s"] if r.get("hf_tok_s") else None
+    table = Table(title=f"nanospec bench · {args.model} · {args.dtype} · {args.workload} · max_tokens {args.max_tokens}")
+    for col in ("method", "K", "batch", "tok/s", "req/s", "TTFT p50/p90 ms", "TPOT p50/p90 ms", "mean acc len",
+                "acc/pos", "K per step", "x plain", "hf tok/s", "x hf"):
+        table.add_column(col, justify="left" if col in ("method", "acc/pos", "K per step") else "right")
+    fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
+    for r in results:
+        table.add_row(os.path.basename(r["method"].rstrip("/")), str(r["k"]), str(r["batch"]), f"{r['tok_s']:.1f}",
+                      f"{r['req_s']:.2f}", f"{1000 * r['ttft_p50']:.0f}/{1000 * r['ttft_p90']:.0f}",
+                      f"{1000 * r['tpot_p50']:.1f}/{1000 * r['tpot_p90']:.1f}", fmt(r["mean_accepted_length"]),
+                      " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
+                      " ".join(f"{k}:{n}" for k, n in sorted(r["k_per_step"].items())) if r["k"] else "",
+                      fmt(r["speedup_vs_plain"]), fmt(r.get("hf_tok_s"), "{:.1f}"), fmt(r["speedup_vs_hf"]))
+    Console(width=220).print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "machine": machine_info(args.dtype), "results": results}, f, indent=1)
+
+
+def bench_kernels():
+    """Each Triton kernel against its torch reference on CUDA (triton's do_bench, median)."""
+    if not torch.cuda.is_available():
+        print("bench.py kernels: no CUDA device here; the Triton kernels are only timed on a GPU.")
+        return
+    import triton
+    import kernels
+    dev, dtype = "cuda", torch.bfloat16
+    num_kv, group, head_dim, block_size = 8, 4, 128, 16
+    copy = torch.empty(2**28, dtype=torch.uint8, device=dev)
+    copy_gbs = 2 * copy.numel() / triton.testing.do_bench(lambda: copy.clone()) / 1e6
+    print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy_gbs:.0f} GB/s")
+    for q_len in (1, 5):
+        for batch in (1, 8, 64):
+            for context in (512, 2048, 8192):
+                blocks_per_seq = context // block_size
+                kc = torch.randn(batch * blocks_per_seq, block_size, num_kv, head_dim, device=dev, dtype=dtype)
+                vc = torch.randn_like(kc)
+                tables = torch.arange(batch * blocks_per_seq, device=dev, dtype=torch.int32).view(batch, -1)
+                seq_lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
+                qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32) * q_len
+                q = torch.randn(batch * q_len, num_kv * group, head_dim, device=dev, dtype=dtype)
+                args = (q, kc, vc, tables, seq_lens, qsl, head_dim ** -0.5, q_len, context)
+                t_triton = triton.testing.do_bench(lambda: kernels.triton_paged_attention(*args))
+                t_torch = triton.testing.do_bench(lambda: kernels.torch_paged_attention(*args))
+                gbs = 2 * kc.numel() * kc.element_size() / t_triton / 1e6
+                tflops = 4 * batch * q_len * num_kv * group * context * head_dim / t_triton / 1e9
+                print(f"paged_attention q_len {q_len} batch {batch:3d} ctx {context:5d}: triton {1000 * t_triton:8.1f} us "
+                      f"({gbs:6.0f} GB/s, {tflops:5.1f} TFLOP/s)  torch {1000 * t_torch:8.1f} us")
+    x = torch.randn(4096, 4096, device=dev, dtype=dtype)
+    w = torch.randn(4096, device=dev, dtype=dtype)
+    for name, fn, ref in (("rms_norm", lambda: kernels.triton_rms_norm(x, w, 1e-6), lambda: kernels.torch_rms_norm(x, w, 1e-6)),
+                          ("silu_mul", lambda: kernels.triton_silu_mul(x), lambda: kernels.torch_silu_mul(x))):
+        t, r = triton.testing.do_bench(fn), triton.testing.do_bench(ref)
+        print(f"{name}: triton {1000 * t:.1f} us ({2 * x.numel() * x.element_size() / t / 1e6:.0f} GB/s)  torch {1000 * r:.1f} us")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["kernels"]:
+        return bench_kernels()
+    sweep(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
