@@ -368,21 +368,28 @@ class LLMEngine:
             return 0
         return self.chooser.choose(max(len(self.running), 1)) if self.chooser else self.num_spec_tokens
 
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of one token sequence, outside any request (borrows blocks)."""
+        probe = Sequence(token_ids, SamplingParams(), self.device)
+        if not self.blocks.ensure_slots(probe, len(token_ids)):
+            raise ValueError(f"{len(token_ids)} tokens do not fit in the free KV blocks")
+        try:
+            return self.forward(self.model, [(probe, token_ids, 0)])[0]
+        finally:
+            self.blocks.free(probe)
+
     def profile_verify(self, max_tokens: int) -> dict[int, float]:
         """Seconds per target forward for 1, 2, 4, ... tokens: the chooser's starting cost table."""
-        table, probe = {}, Sequence([0], SamplingParams(), self.device)
-        tokens = 1
+        table, tokens = {}, 1
         while tokens <= min(max_tokens, 512, self.blocks.num_blocks * self.block_size, self.max_model_len):
-            self.blocks.ensure_slots(probe, tokens)
-            with torch.inference_mode():
-                times = []
-                for _ in range(2):
-                    start = time.perf_counter()
-                    self.forward(self.model, [(probe, [0] * tokens, 0)])
-                    times.append(time.perf_counter() - start)
+            times = []
+            for _ in range(2):
+                start = time.perf_counter()
+                self.hidden_states([0] * tokens)
+                times.append(time.perf_counter() - start)
             table[tokens] = min(times)
             tokens *= 2
-        self.blocks.free(probe)
         return table
 
     def preempt(self, seq: Sequence):

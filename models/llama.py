@@ -152,6 +152,11 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.model.norm(x, residual)
         return x
 
+    def embedding_weight(self):
+        return self.model.embed_tokens.weight
+
+    def lm_head_weight(self):
+        return self.embedding_weight() if self.tie_word_embeddings else self.lm_head.weight
+
     def compute_logits(self, hidden):
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.lm_head_weight())

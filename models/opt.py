@@ -101,6 +101,11 @@ class OPTForCausalLM(nn.Module):
             x = dec.final_layer_norm(x)
         return dec.project_out(x) if dec.project_out is not None else x
 
+    def embedding_weight(self):
+        return self.model.decoder.embed_tokens.weight
+
+    def lm_head_weight(self):
+        return self.embedding_weight() if self.tie_word_embeddings else self.lm_head.weight
+
     def compute_logits(self, hidden):
-        weight = self.model.decoder.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.lm_head_weight())

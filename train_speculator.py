@@ -1,0 +1,151 @@
+# Train an MLP speculator for a target model by self-distillation (arXiv 2404.19124): the target
+# greedily continues a set of prompts, we record its final-norm hidden states, and the heads learn
+# to predict the target's own next tokens. Writes an ibm-fms layout checkpoint (--draft mlp:DIR).
+# It must never train on the prompts it is later evaluated on: pass held-apart prompts to bench.py.
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from models.mlp_speculator import MLPSpeculator
+from nanospec import LLM, SamplingParams
+
+
+def collect(llm: LLM, prompts: list, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Target's greedy continuations and hidden states. Returns (tokens [N], hidden [N, H], trainable [N]):
+    hidden[t] is the state that produced tokens[t+1]; trainable marks generated (not prompt) positions."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    tokens, hidden, trainable = [], [], []
+    for out in outs:
+        ids = out.prompt_token_ids + out.token_ids
+        tokens.append(torch.tensor(ids))
+        hidden.append(llm.hidden_states(ids).float().cpu())
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask[len(out.prompt_token_ids) - 1:] = True  # from the state that produced the first output token
+        mask[-1] = False  # the document boundary: no next token to learn here
+        trainable.append(mask)
+    return torch.cat(tokens), torch.cat(hidden), torch.cat(trainable)
+
+
+def loss_per_head(spec: MLPSpeculator, tokens, hidden, positions) -> list[torch.Tensor]:
+    """Teacher forcing: head i reads the state and token positions[t] + 1 + i, predicts the one after."""
+    state = spec.first_state(hidden[positions])
+    losses = []
+    for i in range(spec.n_predict):
+        inputs, targets = positions + 1 + i, positions + 2 + i
+        valid = targets < len(tokens)
+        state, logits = spec.step(i, state, tokens[inputs.clamp(max=len(tokens) - 1)])
+        losses.append(F.cross_entropy(logits[valid], tokens[targets[valid]]))
+    return losses
+
+
+def new_speculator(llm: LLM, n_predict: int) -> tuple[MLPSpeculator, dict]:
+    """Tied heads, inner_dim = hidden size; emb and head start from the target's own embeddings and
+    lm_head (and stay frozen), so only the small projections and norms are trained."""
+    config = dict(model_type="mlp_speculator", architectures=["MLPSpeculatorPreTrainedModel"],
+                  emb_dim=llm.model.hidden_size, inner_dim=0, n_predict=n_predict, vocab_size=llm.model.vocab_size,
+                  tie_weights=True, scale_input=True, torch_dtype="float32")
+    spec = MLPSpeculator(config)
+    embed, head = llm.model.embedding_weight(), llm.model.lm_head_weight()
+    with torch.no_grad():
+        for i in range(n_predict):
+            spec.emb[i].weight = spec.emb[0].weight  # tie in memory: one emb, one head, one ln, proj 1..n shared
+            spec.head[i].weight = spec.head[0].weight
+            spec.ln[i] = spec.ln[0]
+            if i > 1:
+                spec.proj[i] = spec.proj[1]
+        spec.emb[0].weight.copy_(embed.float())
+        spec.head[0].weight.copy_(head.float())
+    spec.emb[0].weight.requires_grad_(False)
+    spec.head[0].weight.requires_grad_(False)
+    return spec, config
+
+
+def save(spec: MLPSpeculator, config: dict, out: str, optimizer, step: int):
+    os.makedirs(out, exist_ok=True)
+    names = ["emb.0.weight", "head.0.weight", "ln.0.weight", "ln.0.bias", "proj.0.weight"] + \
+            (["proj.1.weight"] if spec.n_predict > 1 else [])
+    state = spec.state_dict()
+    save_file({f"speculator.{n}": state[n].contiguous() for n in names}, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    moments = {f"{name}.{key}": value for name, p in spec.named_parameters() if p in optimizer.state
+               for key, value in optimizer.state[p].items() if torch.is_tensor(value)}
+    save_file(moments, os.path.join(out, "optimizer.safetensors"))
+    with open(os.path.join(out, "train_state.json"), "w") as f:
+        json.dump({"step": step}, f)
+
+
+def resume(spec: MLPSpeculator, out: str, optimizer) -> int:
+    if not os.path.exists(os.path.join(out, "train_state.json")):
+        return 0
+    weights = {k.removeprefix("speculator."): v for k, v in load_file(os.path.join(out, "model.safetensors")).items()}
+    spec.load_state_dict({n: weights[n] for n in weights}, strict=False)
+    moments = load_file(os.path.join(out, "optimizer.safetensors"))
+    for name, p in spec.named_parameters():
+        if f"{name}.exp_avg" in moments:
+            optimizer.state[p] = {k: moments[f"{name}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
+    return json.load(open(os.path.join(out, "train_state.json")))["step"]
+
+
+def read_prompts(files: list[str], chat_tokenizer) -> list[str]:
+    from bench import read_workload
+    prompts = [p for f in files for p in read_workload(f)]
+    if chat_tokenizer and chat_tokenizer.chat_template:
+        prompts = [chat_tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    return prompts
+
+
+def train(args):
+    from rich.progress import Progress
+    torch.manual_seed(args.seed)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=32)
+    spec, config = new_speculator(llm, args.n_predict)
+    data_file = os.path.join(args.out, "data.safetensors")
+    if os.path.exists(data_file):  # resumable: the collected data is reused
+        data = load_file(data_file)
+    else:
+        tokens, hidden, trainable = collect(llm, read_prompts(args.prompts, llm.tokenizer), args.max_tokens)
+        data = {"tokens": tokens, "hidden": hidden, "trainable": trainable}
+        os.makedirs(args.out, exist_ok=True)
+        save_file(data, data_file)
+    tokens, hidden, positions = data["tokens"], data["hidden"], data["trainable"].nonzero().flatten()
+    optimizer = torch.optim.AdamW([p for p in spec.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    step = resume(spec, args.out, optimizer)
+    generator = torch.Generator().manual_seed(args.seed + step)
+    with Progress() as progress:
+        task = progress.add_task("training", total=args.steps, completed=step)
+        while step < args.steps:
+            batch = positions[torch.randint(len(positions), (args.batch_size,), generator=generator)]
+            losses = loss_per_head(spec, tokens, hidden, batch)
+            optimizer.zero_grad()
+            sum(losses).backward()
+            optimizer.step()
+            step += 1
+            progress.update(task, advance=1, description="loss " + " ".join(f"{l.item():.2f}" for l in losses))
+            if step % args.save_every == 0 or step == args.steps:
+                save(spec, config, args.out, optimizer, step)
+    return [l.item() for l in losses]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="train an MLP speculator by self-distillation")
+    p.add_argument("--model", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output folder (config.json + model.safetensors)")
+    p.add_argument("--prompts", nargs="+", default=["grounded"], help="JSONL files and/or 'grounded'")
+    p.add_argument("--n-predict", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=256, help="target continuation length per prompt")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the target while collecting data")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    print("final loss per head:", train(parse_args()))
