@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install demo test bench speculator clean
+SPECULATOR ?= $(HOME)/.cache/nanospec/smollm2-135m-speculator
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,7 +29,11 @@ test: install
 	$(BIN)/python -m pytest -q tests
 
 bench: install
-	$(BIN)/python bench.py
+	$(BIN)/python bench.py --draft none,ngram --num-spec-tokens 4,auto --batch-sizes 1,4,16
+
+# Self-distil an MLP speculator for the default model from offline prompts (the standard library's code).
+speculator: install
+	$(BIN)/python train_speculator.py --out $(SPECULATOR) --prompts stdlib --steps 1500
 
 clean:
 	rm -rf $(VENV)

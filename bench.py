@@ -24,20 +24,49 @@ GROUNDED_SOURCES = ["textwrap.dedent", "shlex.split", "fnmatch.translate", "json
                     "difflib.get_close_matches", "difflib.unified_diff", "html.escape"]
 
 
+TASKS = ["Rewrite this function with a short comment above each block. Show the whole function.",
+         "Explain step by step what this function does.",
+         "Write a docstring for this function, then show the function with the docstring added."]
+STDLIB_MODULES = ["textwrap", "shlex", "fnmatch", "json.encoder", "base64", "string", "statistics", "heapq",
+                  "calendar", "colorsys", "glob", "difflib", "html", "csv", "argparse", "ipaddress", "urllib.parse",
+                  "email.utils", "gettext", "tokenize", "dataclasses", "functools", "pprint", "configparser",
+                  "zipfile", "tarfile", "random", "fractions", "decimal", "quopri", "uu", "netrc", "mimetypes"]
+
+
+def code_prompt(func, task: str) -> str:
+    return f"Here is a Python function:\n\n```python\n{inspect.getsource(func)}```\n\n{task}"
+
+
 def grounded_workload() -> list[str]:
     import importlib
+    return [code_prompt(getattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]), TASKS[0])
+            for name in GROUNDED_SOURCES]
+
+
+def stdlib_workload() -> list[str]:
+    """Training prompts for train_speculator.py: short functions of many stdlib modules, three kinds of
+    task, never one of the GROUNDED_SOURCES (those stay held apart for evaluation)."""
+    import importlib
+    import warnings
     prompts = []
-    for name in GROUNDED_SOURCES:
-        module, func = name.rsplit(".", 1)
-        source = inspect.getsource(getattr(importlib.import_module(module), func))
-        prompts.append(f"Here is a Python function:\n\n```python\n{source}```\n\n"
-                       "Rewrite this function with a short comment above each block. Show the whole function.")
+    for module_name in STDLIB_MODULES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+        for name, func in inspect.getmembers(module, inspect.isfunction):
+            if func.__module__ != module.__name__ or f"{module_name}.{name}" in GROUNDED_SOURCES:
+                continue
+            if 4 <= len(inspect.getsource(func).splitlines()) <= 40:
+                prompts.append(code_prompt(func, TASKS[len(prompts) % len(TASKS)]))
     return prompts
 
 
 def read_workload(spec: str) -> list[str]:
-    if spec == "grounded":
-        return grounded_workload()
+    if spec in ("grounded", "stdlib"):
+        return grounded_workload() if spec == "grounded" else stdlib_workload()
     with open(spec) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [row["prompt"] if "prompt" in row else row["turns"][0] for row in rows]
@@ -106,7 +135,7 @@ def parse_args(argv=None):
     p.add_argument("--draft", default="none,ngram", help="comma list of: none, ngram, PATH, mlp:PATH")
     p.add_argument("--num-spec-tokens", default="4", help="comma list of K values and/or 'auto'")
     p.add_argument("--batch-sizes", default="1,4,16")
-    p.add_argument("--workload", default="grounded", help="'grounded' (built in) or a JSONL file")
+    p.add_argument("--workload", default="grounded", help="'grounded', 'stdlib' (built in) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per run (default: the batch size)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
