@@ -193,9 +193,302 @@ def attention(q, k, v, k_cache, v_cache, scale):
 
 # ---------------------------------------------------------------------------------------------
 # Triton kernels (same signatures as the torch references above).
+# Conventions: one wrapper per op (shapes, strides, grid, tile sizes), one @triton.jit kernel behind
+# it. Every load and store is masked (the CPU interpreter does no bounds checking), tl.arange extents
+# are powers of two, tl.dot tiles are >= 16 in every dim, math is fp32 (rounded where the reference
+# rounds), stores are in the output dtype.
 # ---------------------------------------------------------------------------------------------
-def _triton_missing(*args, **kwargs):
-    raise NotImplementedError("Triton kernels are not implemented yet")
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # torch-only install: the definitions below still load, every triton_* op raises
+    from types import SimpleNamespace
+    triton, tl = SimpleNamespace(jit=lambda fn: fn), SimpleNamespace(constexpr=None)
+    HAS_TRITON = False
 
 
-triton_store_kv = triton_paged_attention = triton_rms_norm = triton_rotary = triton_silu_mul = _triton_missing
+def _pow2(n, at_least=1):
+    return max(at_least, triton.next_power_of_2(n))
+
+
+def _as_rows(x):
+    """View x as [rows, last_dim] with unit column stride (copies only if it has to)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                     num_kv_heads, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    mask = (heads < num_kv_heads) & (dims < HEAD_DIM)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def triton_store_kv(k, v, k_cache, v_cache, slot_mapping):
+    """One program per new token copies its [Hkv, D] K and V rows into its cache slot (-1: skip).
+
+    A pure copy, bandwidth bound: one [Hkv, D] tile per program is a few KB, plenty for 4 warps.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(2) == v.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(3) == 1
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEADS_PAD=_pow2(num_kv_heads),
+        DIM_PAD=_pow2(head_dim), num_warps=4)
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
+        query_start_loc_ptr, scale, segment_len, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
+        stride_ls, stride_lt, stride_cb, stride_cs, stride_ch, stride_bt,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+    q_block, seq = tl.program_id(0), tl.program_id(1)
+    kv_head, segment = tl.program_id(2) // NUM_SEGMENTS, tl.program_id(2) % NUM_SEGMENTS
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # queries per tile
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:  # the grid is sized for the longest query; this sequence is done
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    # Tile row r is query j = r // GROUP of this block, for query head kv_head * GROUP + r % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    j = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (j < q_len)
+    q_pos = seq_len - q_len + j
+    token = (q_start + j).to(tl.int64)
+    dims = tl.arange(0, DIM_PAD)
+    q_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=q_mask, other=0.0)
+
+    # Online softmax in the log2 domain (exp2 is the native instruction): scores carry log2(e).
+    qk_scale = scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's scores
+    l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)        # running sum of exp2(score - m_i) * v
+    # This program's keys: its segment, cut at the tile's last query position (nothing later is
+    # visible to any of its rows). A segment can be empty, or invisible to some rows: those keep
+    # m_i = -inf and l_i = 0 (guarded below and at the end: no NaN).
+    kv_start = segment * segment_len
+    kv_end = tl.minimum(seq_len - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q),
+                        kv_start + segment_len)
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        kv_offs = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_ptrs = kv_offs[:, None] + dims[None, :]
+        kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key visible yet: -inf - -inf = NaN
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    # l_i >= 1 once a row has seen a key (its max scores exp2(0) = 1) and 0 if none: clamping to 1
+    # makes an empty row's output 0 and its log-sum-exp m_i = -inf, without NaN.
+    l_i = tl.maximum(l_i, 1.0)
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + segment * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if NUM_SEGMENTS > 1:  # natural-log sum of this segment's exp(scores), to weight it in the merge
+        lse = (m_i + tl.log2(l_i)) / 1.4426950408889634
+        tl.store(lse_ptr + segment * stride_ls + token * stride_lt + head, lse, mask=row_ok)
+
+
+def _num_kv_segments(num_programs, max_seq_len, device):
+    """Split the keys when the grid alone would leave most of the GPU idle (small batches, long
+    contexts): about 2 programs per SM, each segment at least 256 keys. Host ints only: no sync."""
+    if device.type != "cuda":
+        return 1  # the CPU interpreter runs programs one by one: splitting only adds work
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(max_seq_len, 256), 2 * sms // num_programs))
+
+
+def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                           max_q_len, max_seq_len):
+    """Unified varlen paged attention: one kernel for prefill chunks, decode and verification.
+
+    Grid (query blocks, sequences, kv heads x KV segments), sized from the host ints max_q_len and
+    max_seq_len (no sync); programs past their sequence's q_len exit at once. A tile's BLOCK_M rows
+    are (query, head-in-group) pairs, so the GQA heads sharing a KV head read each K/V tile once.
+    BLOCK_M: the rows needed, as a power of two in [16, 64] (16 = the smallest tl.dot tile; a 64 x 128
+    fp32 accumulator stays in registers with 4 warps). BLOCK_N = 64 cache positions per step, gathered
+    through the block table per position, so any block size (even 1) works. fp32 dots use "ieee":
+    fp32 is the exactness dtype. With several KV segments each program writes its segment's
+    normalised output and log-sum-exp in fp32, and a softmax over the segments' lse merges them.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert q.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    group, block_n = num_heads // num_kv_heads, 64
+    block_m = max(min(_pow2(max_q_len * group, 16), 64), _pow2(group))
+    num_q_blocks = triton.cdiv(max_q_len, block_m // group)
+    segments = _num_kv_segments(num_q_blocks * seq_lens.shape[0] * num_kv_heads, max_seq_len, q.device)
+    segment_len = triton.cdiv(triton.cdiv(max_seq_len, segments), block_n) * block_n
+    # Unsplit, the kernel writes the output directly (as segment 0 of a [1, T, Hq, D] view).
+    f32 = dict(dtype=torch.float32, device=q.device)
+    partial = out[None] if segments == 1 else torch.empty(segments, *q.shape, **f32)
+    lse = torch.empty(segments, num_tokens, num_heads, **f32)  # written only when split
+    grid = (num_q_blocks, seq_lens.shape[0], num_kv_heads * segments)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, partial, lse, block_tables, seq_lens, query_start_loc, scale, segment_len,
+        q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
+        DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SEGMENTS=segments,
+        num_warps=4)
+    if segments > 1:  # each segment's share of the total softmax mass is softmax(lse) over segments
+        out.copy_((torch.softmax(lse, dim=0)[..., None] * partial).sum(0))
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_r,
+                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # the sum is rounded to x's dtype before normalising, as the reference does
+        x += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(sum_ptr + row * hidden + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask)
+    normed = (xf * rstd).to(x.dtype) * weight  # round, then scale: HF's order
+    tl.store(out_ptr + row * hidden + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_rms_norm(x, weight, eps, residual=None):
+    """One program per row, the whole row in one tile (hidden sizes are a few thousand at most):
+    one read, one fp32 reduction, one write. Warps grow with the row: 1 per 256 elements, 1..16."""
+    shape, hidden = x.shape, x.shape[-1]
+    x2 = _as_rows(x)
+    r2 = _as_rows(residual) if residual is not None else x2
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = torch.empty_like(x2) if residual is not None else out  # (not written without residual)
+    if x2.shape[0] > 0:
+        block = _pow2(hidden)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, summed, x2.stride(0), r2.stride(0), hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), summed.view(shape)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, token, stride_t, stride_h, num_heads, cos, sin,
+                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Neox rotary on one token's [heads, 2 * HALF] rows: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (cols < HALF)
+    x1_ptrs = x_ptr + token * stride_t + heads * stride_h + cols
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1_ptrs = out_ptr + (token * num_heads + heads) * (2 * HALF) + cols  # out is contiguous
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out1_ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(out1_ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, num_heads, num_kv_heads,
+                   HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
+                   HALF_PAD: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)
+    cos_ptrs = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs + cols
+    cos = tl.load(cos_ptrs, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_ptrs + HALF, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_heads, cos, sin,
+                  HALF, Q_HEADS_PAD, HALF_PAD)
+    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin,
+                  HALF, K_HEADS_PAD, HALF_PAD)
+
+
+def triton_rotary(q, k, positions, cos_sin_cache):
+    """One program per token rotates all its q and k heads with one cos/sin row (read once).
+
+    A [heads, D/2] tile per half; elementwise and tiny, so 4 warps. Math in fp32 (the reference
+    multiplies in q's dtype, so fp16/bf16 results can differ by an ulp).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.stride(2) == k.stride(2) == cos_sin_cache.stride(1) == 1
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens > 0:
+        _rotary_kernel[(num_tokens,)](
+            q, k, q_out, k_out, positions, cos_sin_cache, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), cos_sin_cache.stride(0), num_heads, num_kv_heads,
+            HALF=head_dim // 2, Q_HEADS_PAD=_pow2(num_heads), K_HEADS_PAD=_pow2(num_kv_heads),
+            HALF_PAD=_pow2(head_dim // 2), num_warps=4)
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_silu_mul(x):
+    """Grid (rows, column blocks of up to 1024): elementwise, bandwidth bound; 1024 columns keep 4
+    warps at 8 elements per thread, and a second grid dim keeps wide MLPs (I ~ 14k) spread out."""
+    shape, inter = x.shape, x.shape[-1] // 2
+    x2 = _as_rows(x)
+    out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0:
+        block = min(_pow2(inter), 1024)
+        _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, x2.stride(0), inter,
+                                                                  BLOCK=block, num_warps=4)
+    return out.view(*shape[:-1], inter)
+
+
+if not HAS_TRITON:
+    def _triton_missing(*args, **kwargs):
+        raise RuntimeError("Triton is not installed (pip install triton); the torch_* ops still work")
+
+    triton_store_kv = triton_paged_attention = triton_rms_norm = triton_rotary = triton_silu_mul = \
+        _triton_missing

@@ -1,0 +1,192 @@
+# Every triton_* kernel against its torch_* reference, on fresh random inputs each run (the seed is
+# printed on failure; NANOSPEC_TEST_SEED=<n> replays it). On CPU the kernels run under
+# TRITON_INTERPRET=1 (set in conftest.py), where fp32 and fp16 are exact but bf16 is broken.
+import contextlib
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+import kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="bf16 Triton needs CUDA: the interpreter mishandles bfloat16")
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+          pytest.param(torch.bfloat16, id="bf16", marks=needs_cuda)]
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    seed = int(os.environ.get("NANOSPEC_TEST_SEED", random.randrange(2**31)))
+    print(f"random seed {seed} (replay: NANOSPEC_TEST_SEED={seed})")
+    torch.manual_seed(seed)
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def _nan_filled(make):
+    def make_poisoned(*args, **kwargs):
+        t = make(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    return make_poisoned
+
+
+@contextlib.contextmanager
+def nan_filled_outputs():
+    """Inside, torch.empty(_like) return NaN-filled float tensors: an output element a kernel never
+    writes shows up as NaN instead of as whatever the allocator left there."""
+    with mock.patch.object(torch, "empty", _nan_filled(torch.empty)), \
+            mock.patch.object(torch, "empty_like", _nan_filled(torch.empty_like)):
+        yield
+
+
+def assert_triton_matches_torch(op, *args, dtype):
+    with nan_filled_outputs():
+        got = getattr(kernels, f"triton_{op}")(*args)
+    want = getattr(kernels, f"torch_{op}")(*args)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
+    """q, k, v as the model makes them: non-contiguous views into one fused projection output."""
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+# --------------------------------------------------------------------------------------------
+# store_kv
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(1, 16), (3, 64), (2, 128)])
+def test_store_kv(block_size, num_kv_heads, head_dim, dtype):
+    num_tokens, num_blocks = 9, 12
+    _, k, v = qkv_views(num_tokens, 1, num_kv_heads, head_dim, dtype)
+    slot_mapping = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slot_mapping[torch.randperm(num_tokens)[:3]] = -1  # tokens whose K/V must not be stored
+    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kernels.torch_store_kv(k, v, want_k, want_v, slot_mapping)
+    written = slot_mapping[slot_mapping >= 0]
+    for cache in (k_cache, v_cache):  # the slots to write start as NaN, all others keep their values
+        cache.view(-1, num_kv_heads, head_dim)[written] = float("nan")
+    kernels.triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+# --------------------------------------------------------------------------------------------
+# paged_attention
+# --------------------------------------------------------------------------------------------
+BATCHES = {  # (context length including this step's queries, q_len) per sequence
+    # a prefill chunk after earlier chunks, a whole prompt, decode, verification with K=4, an
+    # empty query, q_len 3, a long decode (several KV tiles), a long chunk (several query blocks)
+    "mixed": [(45, 20), (19, 19), (70, 1), (23, 5), (9, 0), (38, 3), (150, 1), (140, 40)],
+    "decode": [(1, 1), (33, 1), (130, 1)],
+}
+
+
+def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    """Random queries and a random paged cache; each sequence's blocks are scattered randomly over
+    a pool with spare blocks, so reading the wrong block, slot or position changes the result."""
+    blocks_per_seq = [-(-context // block_size) for context, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    block_ids = torch.randperm(num_blocks, device=DEVICE).int().split(blocks_per_seq + [3])
+    block_tables = torch.full((len(seqs), max(blocks_per_seq) + 2), -1, dtype=torch.int32,
+                              device=DEVICE)
+    for b, ids in enumerate(block_ids[:-1]):
+        block_tables[b, :len(ids)] = ids
+    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    seq_lens = torch.tensor([context for context, _ in seqs], device=DEVICE)
+    q_lens = torch.tensor([q_len for _, q_len in seqs], device=DEVICE)
+    query_start_loc = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
+    q, _, _ = qkv_views(int(q_lens.sum()), num_heads, num_kv_heads, head_dim, dtype)
+    return (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, head_dim ** -0.5,
+            int(q_lens.max()), int(seq_lens.max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [  # GQA ratios 1, 3, 4, 8
+    (2, 2, 16), (6, 2, 64), (4, 1, 128), (8, 1, 64)])
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("kv_segments", [1, 3])  # 3: split-KV with a log-sum-exp merge
+def test_paged_attention(batch, kv_segments, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                         monkeypatch):
+    monkeypatch.setattr(kernels, "_num_kv_segments", lambda *args: kv_segments)
+    args = make_paged_batch(BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype)
+    assert_triton_matches_torch("paged_attention", *args, dtype=dtype)
+
+
+def test_paged_attention_empty_batch():
+    args = make_paged_batch([(5, 0), (9, 0)], 4, 2, 2, 16, torch.float32)
+    assert kernels.triton_paged_attention(*args).shape == (0, 2, 16)
+
+
+# --------------------------------------------------------------------------------------------
+# rms_norm, rotary, silu_mul
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (7, 100), (2, 3, 576)])
+def test_rms_norm(shape, with_residual, dtype):
+    x = randn(*shape[:-1], shape[-1] + 5, dtype=dtype)[..., :shape[-1]]  # rows with a stride
+    weight = (1 + 0.1 * randn(shape[-1])).to(dtype)
+    residual = randn(*shape, dtype=dtype) if with_residual else None
+    assert_triton_matches_torch("rms_norm", x, weight, 1e-6, residual, dtype=dtype)
+
+
+def rope_cache(max_positions, head_dim, base=10000.0):
+    inv_freq = base ** -(torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
+    angles = torch.arange(max_positions, device=DEVICE).float()[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 16), (6, 2, 64), (8, 1, 128)])
+def test_rotary(num_heads, num_kv_heads, head_dim, dtype):
+    num_tokens = 7
+    q, k, _ = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
+    positions = torch.randint(0, 300, (num_tokens,), device=DEVICE)
+    assert_triton_matches_torch("rotary", q, k, positions, rope_cache(300, head_dim), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,inter", [(1, 37), (4, 256), (3, 1500)])  # 1500: 2 column blocks
+def test_silu_mul(num_tokens, inter, dtype):
+    assert_triton_matches_torch("silu_mul", randn(num_tokens, 2 * inter, dtype=dtype), dtype=dtype)
+
+
+def test_elementwise_ops_on_empty_batch():
+    q, k, _ = qkv_views(0, 4, 2, 16, torch.float32)
+    assert [t.shape for t in kernels.triton_rotary(q, k, torch.zeros(0, dtype=torch.long),
+                                                   rope_cache(8, 16))] == [q.shape, k.shape]
+    assert kernels.triton_rms_norm(randn(0, 32), randn(32), 1e-6).shape == (0, 32)
+    assert kernels.triton_silu_mul(randn(0, 64)).shape == (0, 32)
+    kernels.triton_store_kv(k, k, randn(2, 4, 2, 16), randn(2, 4, 2, 16),
+                            torch.zeros(0, dtype=torch.long))
+
+
+def test_kernels_import_without_triton():
+    """A torch-only install still imports kernels; a triton_* op then says what is missing."""
+    script = ("import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+              "import torch, kernels\n"
+              "kernels.torch_silu_mul(torch.ones(1, 4))\n"
+              "try:\n    kernels.triton_silu_mul(torch.ones(1, 4))\n"
+              "except RuntimeError as e:\n    assert 'Triton is not installed' in str(e)\n"
+              "else:\n    raise AssertionError('no error')\n")
+    root = Path(kernels.__file__).parent
+    subprocess.run([sys.executable, "-c", script], cwd=root, check=True)
