@@ -28,6 +28,7 @@ class AttentionContext:
     query_start_loc: torch.Tensor  # [B+1] cu_seqlens of the packed queries
     max_q_len: int                 # host-side maxima, so no op needs a device->host sync
     max_seq_len: int
+    torch_plan: "TorchAttentionPlan | None" = None  # index work the torch path derives once per step
 
 
 _context: AttentionContext | None = None
@@ -55,40 +56,59 @@ def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
+@dataclass(slots=True)
+class TorchAttentionPlan:
+    """What the torch attention path derives from the step's metadata once and every layer reuses."""
+    slots: torch.Tensor        # [B, L] cache slot of each context position (L = max_seq_len)
+    row: torch.Tensor | None   # [T] row of each packed query in the padded [B * max_q_len] layout
+    mask: torch.Tensor | None  # [B, 1, max_q_len, L] where queries may attend; None: everywhere
+
+
+def torch_attention_plan(block_tables, seq_lens, query_start_loc, block_size, max_q_len, max_seq_len):
+    device = block_tables.device
+    num_seqs, num_tokens = seq_lens.shape[0], int(query_start_loc[-1])
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    pos = torch.arange(max_seq_len, device=device)
+    slots = block_tables[:, pos // block_size].clamp_min(0).long() * block_size + pos % block_size
+    row = None
+    if not (max_q_len == 1 and num_tokens == num_seqs):  # plain decode needs no query padding
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
+                                               output_size=num_tokens)
+        row = seq_of_token * max_q_len + torch.arange(num_tokens, device=device) - query_start_loc[seq_of_token]
+    # Key l is visible to query j of sequence b iff l <= seq_lens[b] - q_len_b + j.
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q_len, device=device)[None, :]
+    mask = pos[None, None, :] <= q_pos[:, :, None]
+    return TorchAttentionPlan(slots, row, None if bool(mask.all()) else mask[:, None])
+
+
+def torch_attend(q, k_cache, v_cache, plan: TorchAttentionPlan, scale, max_q_len):
+    """Gather each sequence's context once, pad queries to [B, max_q_len], one batched SDPA."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = plan.slots.shape[0]
+    k = k_cache.view(-1, *k_cache.shape[2:])[plan.slots].transpose(1, 2)
+    v = v_cache.view(-1, *v_cache.shape[2:])[plan.slots].transpose(1, 2)
+    if plan.row is None:
+        q_pad = q.view(num_seqs, 1, num_heads, head_dim)
+    else:
+        q_pad = q.new_zeros(num_seqs * max_q_len, num_heads, head_dim)
+        q_pad[plan.row] = q
+        q_pad = q_pad.view(num_seqs, max_q_len, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=plan.mask, scale=scale,
+                                         enable_gqa=num_heads != k.shape[1])
+    out = out.transpose(1, 2).reshape(num_seqs * max_q_len, num_heads, head_dim)
+    return out if plan.row is None else out[plan.row]
+
+
 def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                           max_q_len, max_seq_len):
     """Causal attention of packed queries q [T, Hq, D] over the paged cache -> [T, Hq, D].
 
     Query j of sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it.
-    The CPU path gathers each sequence's context once, pads queries to [B, max_q_len] and runs one
-    batched SDPA with a position mask (GQA handled by SDPA).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = seq_lens.shape[0]
-    block_size = k_cache.shape[1]
-    if num_tokens == 0:
+    if q.shape[0] == 0:
         return q.new_empty(q.shape)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    # Gather context K/V: [B, L, Hkv, D] with L = max_seq_len.
-    pos = torch.arange(max_seq_len, device=q.device)
-    blocks = block_tables[:, pos // block_size].clamp_min(0).long()
-    slots = blocks * block_size + pos % block_size
-    k = k_cache.view(-1, *k_cache.shape[2:])[slots].transpose(1, 2)
-    v = v_cache.view(-1, *v_cache.shape[2:])[slots].transpose(1, 2)
-    # Pad queries into [B, max_q_len]: token t is query j of sequence b.
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens,
-                                           output_size=num_tokens)
-    j_of_token = torch.arange(num_tokens, device=q.device) - query_start_loc[seq_of_token]
-    row = seq_of_token * max_q_len + j_of_token
-    q_pad = q.new_zeros(num_seqs * max_q_len, num_heads, head_dim)
-    q_pad[row] = q
-    q_pad = q_pad.view(num_seqs, max_q_len, num_heads, head_dim).transpose(1, 2)
-    # Position mask: key l visible to query j of b iff l <= seq_lens[b] - q_len_b + j.
-    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q_len, device=q.device)[None, :]
-    mask = pos[None, None, :] <= q_pos[:, :, None]
-    out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=num_heads != k.shape[1])
-    return out.transpose(1, 2).reshape(num_seqs * max_q_len, num_heads, head_dim)[row]
+    plan = torch_attention_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], max_q_len, max_seq_len)
+    return torch_attend(q, k_cache, v_cache, plan, scale, max_q_len)
 
 
 def torch_rms_norm(x, weight, eps, residual=None):
@@ -96,8 +116,7 @@ def torch_rms_norm(x, weight, eps, residual=None):
     if residual is not None:
         x = x + residual
         residual = x
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
     return normed if residual is None else (normed, residual)
 
 
@@ -180,15 +199,21 @@ def silu_mul(x):
 
 
 def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
-    return torch_rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise)
+    fn = triton_rejection_sample if use_triton(target_probs) else torch_rejection_sample
+    return fn(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise)
 
 
 def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
     ctx = get_context()
     store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-    return paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
-                           ctx.query_start_loc, scale, ctx.max_q_len, ctx.max_seq_len)
+    if use_triton(q):
+        return triton_paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
+                                      ctx.query_start_loc, scale, ctx.max_q_len, ctx.max_seq_len)
+    if ctx.torch_plan is None:  # the first layer derives the index work; the other layers reuse it
+        ctx.torch_plan = torch_attention_plan(ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                                              k_cache.shape[1], ctx.max_q_len, ctx.max_seq_len)
+    return torch_attend(q, k_cache, v_cache, ctx.torch_plan, scale, ctx.max_q_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,9 +511,128 @@ def triton_silu_mul(x):
     return out.view(*shape[:-1], inter)
 
 
+@triton.jit
+def _running_argmax(best, best_col, score, cols):
+    """Per-lane running argmax: a lane keeps the first column holding its largest score so far."""
+    better = score > best  # strict: on a tie the earlier column (earlier tile) stays
+    return tl.where(better, score, best), tl.where(better, cols, best_col)
+
+
+@triton.jit
+def _first_argmax(best, best_col, vocab):
+    """Reduce the per-lane argmaxes to the first column holding the global max (torch.argmax's tie rule)."""
+    return tl.min(tl.where(best == tl.max(best, 0), best_col, vocab), 0)
+
+
+@triton.jit
+def _rejection_sample_kernel(
+        target_ptr, draft_tokens_ptr, draft_probs_ptr, num_drafts_ptr, uniform_ptr, noise_ptr,
+        num_accepted_ptr, next_token_ptr, vocab, max_k,
+        stride_tb, stride_tk, stride_db, stride_qb, stride_qk, stride_ub, stride_nb,
+        ONE_HOT: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    target_ptr += seq * stride_tb
+    draft_tokens_ptr += seq * stride_db
+    draft_probs_ptr += seq * stride_qb
+    noise_ptr += seq * stride_nb
+
+    # 1. Accept d_i iff u_i * q(d_i) < p(d_i), up to the first rejection. The (at most K) drafts are
+    # tested as one vector (K is small: no loop with an early exit needed); num_accepted = the index
+    # of the first draft not accepted.
+    num_drafts = tl.minimum(tl.load(num_drafts_ptr + seq), max_k)
+    i = tl.arange(0, K_PAD)
+    valid = i < num_drafts
+    draft = tl.load(draft_tokens_ptr + i, mask=valid, other=0)
+    p_draft = tl.load(target_ptr + i * stride_tk + draft, mask=valid, other=0.0)
+    uniform = tl.load(uniform_ptr + seq * stride_ub + i, mask=valid, other=1.0)
+    if ONE_HOT:
+        accepted = (uniform < p_draft) & valid  # q(d_i) = 1
+    else:
+        q_draft = tl.load(draft_probs_ptr + i * stride_qk + draft, mask=valid, other=0.0)
+        accepted = (uniform * q_draft < p_draft) & valid
+    num_accepted = tl.minimum(tl.min(tl.where(accepted, K_PAD, i), 0), num_drafts)
+    tl.store(num_accepted_ptr + seq, num_accepted)
+
+    # 2. The next token: argmax(dist / Exp(1)) over the vocabulary, in tiles, with dist = max(p - q, 0)
+    # at a rejection (the recovered token) and p at row num_accepted (the bonus token, and the fallback
+    # when the residual is all zero, i.e. p == q). Both argmaxes are tracked in the same pass; when
+    # nothing was rejected the q loads are masked off, so the "residual" is p itself.
+    rejected = num_accepted < num_drafts
+    p_ptr = target_ptr + num_accepted * stride_tk
+    at = tl.minimum(num_accepted, max_k - 1)  # the rejected position
+    if ONE_HOT:  # max(p - onehot(d), 0) is p with d zeroed; -1 (no column) when nothing was rejected
+        rejected_token = tl.load(draft_tokens_ptr + at, mask=rejected, other=-1)
+    q_ptr = draft_probs_ptr + at * stride_qk
+    q_vocab = tl.where(rejected, vocab, 0)  # the q columns to read: none unless rejected
+    best_res = tl.full([BLOCK_V], -1.0, tl.float32)  # below every score (scores are >= 0)
+    best_p = tl.full([BLOCK_V], -1.0, tl.float32)
+    col_res = tl.zeros([BLOCK_V], tl.int32)
+    col_p = tl.zeros([BLOCK_V], tl.int32)
+    residual_max = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, vocab, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        in_vocab = cols < vocab
+        p = tl.load(p_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+        noise = tl.load(noise_ptr + cols, mask=in_vocab, other=1.0).to(tl.float32)
+        if ONE_HOT:
+            residual = tl.where(cols == rejected_token, 0.0, p)
+        else:
+            q = tl.load(q_ptr + cols, mask=cols < q_vocab, other=0.0).to(tl.float32)
+            residual = tl.maximum(p - q, 0.0)
+        residual_max = tl.maximum(residual_max, residual)
+        # div_rn: Triton's fp32 `/` is approximate (div.full, up to 2 ulp) on NVIDIA; torch's is IEEE.
+        score_res = tl.where(in_vocab, tl.math.div_rn(residual, noise), -1.0)
+        score_p = tl.where(in_vocab, tl.math.div_rn(p, noise), -1.0)
+        best_res, col_res = _running_argmax(best_res, col_res, score_res, cols)
+        best_p, col_p = _running_argmax(best_p, col_p, score_p, cols)
+    # "Some residual > 0" is the reference's "residual sum > 0" (a sum of non-negatives).
+    use_residual = rejected & (tl.max(residual_max, 0) > 0)
+    token = tl.where(use_residual, _first_argmax(best_res, col_res, vocab),
+                     _first_argmax(best_p, col_p, vocab))
+    tl.store(next_token_ptr + seq, token)
+
+
+REJECTION_BLOCK_V = 2048  # vocabulary tile of the rejection sampler (tests shrink it to loop more)
+
+
+def triton_rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
+    """Fused acceptance + recovered/bonus sampling, one program per request (see torch_rejection_sample).
+
+    A program tests its K drafts as one vector, then walks the vocabulary once in BLOCK_V-wide tiles,
+    keeping a per-lane running argmax (strict >, so earlier columns win ties) of residual / noise and
+    of p / noise; one reduction at the end picks the first column with the global max, exactly what
+    torch.argmax returns. No normalisation and no host sync: which distribution wins is decided on the
+    device. Each of p, q and the noise is read once (the torch version makes several [B, V] passes).
+    BLOCK_V = 2048 with 8 warps: 8 elements per thread per load, three loads in flight per tile,
+    enough memory parallelism for one program to stream a 150k vocabulary, while the 5 per-lane state
+    vectors (40 registers a thread) stay in registers. One program per request leaves most SMs idle
+    at batch 1, but this is ~2 MB read per request, small next to the verification forward;
+    splitting the vocabulary across programs (plus a merge) is the next step if it ever shows up in a
+    profile. Exact vs torch for fp32 probabilities (what the engine passes): the same fp32 ops, with
+    IEEE division.
+    """
+    num_seqs, max_k = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    one_hot = draft_probs is None
+    draft_probs = target_probs if one_hot else draft_probs  # (never read when one-hot)
+    assert target_probs.stride(2) == draft_probs.stride(-1) == exp_noise.stride(1) == 1
+    assert max_k == 0 or (draft_tokens.stride(1) == uniform.stride(1) == 1)
+    num_accepted = torch.empty(num_seqs, dtype=torch.int64, device=target_probs.device)
+    next_token = torch.empty(num_seqs, dtype=torch.int64, device=target_probs.device)
+    if num_seqs == 0:
+        return num_accepted, next_token
+    _rejection_sample_kernel[(num_seqs,)](
+        target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise, num_accepted,
+        next_token, vocab, max_k, target_probs.stride(0), target_probs.stride(1),
+        draft_tokens.stride(0), draft_probs.stride(0), draft_probs.stride(1), uniform.stride(0),
+        exp_noise.stride(0), ONE_HOT=one_hot, K_PAD=_pow2(max_k),
+        BLOCK_V=min(_pow2(vocab), REJECTION_BLOCK_V), num_warps=8)
+    return num_accepted, next_token
+
+
 if not HAS_TRITON:
     def _triton_missing(*args, **kwargs):
         raise RuntimeError("Triton is not installed (pip install triton); the torch_* ops still work")
 
     triton_store_kv = triton_paged_attention = triton_rms_norm = triton_rotary = triton_silu_mul = \
-        _triton_missing
+        triton_rejection_sample = _triton_missing

@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kernels
 
@@ -190,3 +191,78 @@ def test_kernels_import_without_triton():
               "else:\n    raise AssertionError('no error')\n")
     root = Path(kernels.__file__).parent
     subprocess.run([sys.executable, "-c", script], cwd=root, check=True)
+
+
+# Rejection sampling: the Triton sampler must pick exactly the reference's tokens (same inputs, same
+# uniform and Exp(1) noise), not just statistically equivalent ones.
+def rejection_inputs(batch, max_k, vocab, one_hot_drafts):
+    """A padded batch whose rows cycle through three kinds: sampled (softmax targets, drafts drawn
+    from a perturbed q so some are accepted), greedy (one-hot targets, u = 0, noise = 1, as the
+    engine builds them) and ties (equal probabilities and noise = 1: argmax tie-breaking).
+    num_drafts covers 0 and K."""
+    logits = randn(batch, max_k + 1, vocab) * 2
+    ties = torch.arange(batch, device=DEVICE) % 3 == 2
+    logits[ties] = logits[ties].round().clamp(max=0)  # many tokens share the top probability
+    target = torch.softmax(logits, -1)
+    draft_probs = torch.softmax(logits[:, :max_k] + randn(batch, max_k, vocab), -1)
+    draft_tokens = (draft_probs / torch.empty_like(draft_probs).exponential_()).argmax(-1)
+    num_drafts = torch.randint(0, max_k + 1, (batch,), device=DEVICE)
+    num_drafts[1], num_drafts[-1] = 0, max_k
+    uniform = torch.rand(batch, max_k, device=DEVICE)
+    noise = torch.empty(batch, vocab, device=DEVICE).exponential_()
+    greedy = torch.arange(batch, device=DEVICE) % 3 == 1
+    target[greedy] = F.one_hot(logits[greedy].argmax(-1), vocab).float()
+    uniform[greedy] = 0.0
+    noise[greedy | ties] = 1.0
+    return target, draft_tokens, None if one_hot_drafts else draft_probs, num_drafts, uniform, noise
+
+
+def assert_rejection_sample_matches_torch(*args):
+    got = kernels.triton_rejection_sample(*args)
+    want = kernels.torch_rejection_sample(*args)
+    for name, g, w in zip(("num_accepted", "next_token"), got, want):
+        assert g.dtype == torch.int64 and torch.equal(g, w), f"{name}: triton {g} != torch {w}"
+    return got
+
+
+@pytest.fixture
+def small_vocab_tile(monkeypatch):
+    """An 8-column vocabulary tile, so V = 37 or 100 takes several loop iterations."""
+    monkeypatch.setattr(kernels, "REJECTION_BLOCK_V", 8)
+
+
+@pytest.mark.parametrize("one_hot_drafts", [False, True], ids=["stochastic", "one_hot"])
+@pytest.mark.parametrize("max_k", [0, 1, 3, 5])
+@pytest.mark.parametrize("vocab", [5, 37, 100])
+def test_rejection_sample(vocab, max_k, one_hot_drafts, small_vocab_tile):
+    assert_rejection_sample_matches_torch(*rejection_inputs(6, max_k, vocab, one_hot_drafts))
+
+
+@pytest.mark.parametrize("one_hot_drafts", [False, True], ids=["stochastic", "one_hot"])
+def test_rejection_sample_zero_residual_falls_back_to_p(one_hot_drafts, small_vocab_tile):
+    """A rejection whose residual max(p - q, 0) is all zero emits from p. Stochastic: q == p with
+    every draft where p = 0 (always rejected). One-hot: p = onehot(d) with u = 1 (just outside
+    [0, 1)), the only way to reject such a draft."""
+    batch, max_k, vocab = 3, 2, 37
+    draft_tokens = torch.randint(0, vocab // 2, (batch, max_k), device=DEVICE)
+    if one_hot_drafts:
+        target = F.one_hot(torch.cat([draft_tokens, draft_tokens[:, :1]], 1), vocab).float()
+        draft_probs, uniform = None, torch.ones(batch, max_k, device=DEVICE)
+    else:
+        logits = randn(batch, max_k + 1, vocab)
+        logits[..., :vocab // 2] = float("-inf")
+        target = torch.softmax(logits, -1)
+        draft_probs, uniform = target[:, :max_k].clone(), torch.rand(batch, max_k, device=DEVICE)
+    num_drafts = torch.full((batch,), max_k, device=DEVICE)
+    noise = torch.empty(batch, vocab, device=DEVICE).exponential_()
+    num_accepted, next_token = assert_rejection_sample_matches_torch(
+        target, draft_tokens, draft_probs, num_drafts, uniform, noise)
+    assert (num_accepted == 0).all()
+    assert torch.equal(next_token, (target[:, 0] / noise).argmax(-1))
+
+
+def test_rejection_sample_empty_batch():
+    no_ints = torch.zeros(0, 3, dtype=torch.long, device=DEVICE)
+    out = kernels.triton_rejection_sample(randn(0, 4, 11), no_ints, None, no_ints[:, 0], randn(0, 3),
+                                          randn(0, 11))
+    assert [t.shape for t in out] == [(0,), (0,)]
