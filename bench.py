@@ -101,24 +101,25 @@ def run_nanospec(llm: LLM, prompts, params, repeat):
     }
 
 
-def run_hf(model, tokenizer, prompts, max_tokens, repeat, prompt_lookup=None):
-    """transformers generate on the same prompts: one padded batch (prompt lookup only at batch 1)."""
+def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_lookup=None):
+    """transformers generate on the same prompts, batch_size at a time as padded batches (prompt lookup
+    only supports batch 1). Counts real tokens: up to and including each row's first EOS."""
     tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     kwargs = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     if prompt_lookup:
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+    warm = tokenizer(prompts[:1], return_tensors="pt", add_special_tokens=False)
+    model.generate(**warm, **{**kwargs, "max_new_tokens": 4})
     runs = []
     for _ in range(repeat):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(**batch, **kwargs)
-        elapsed = time.perf_counter() - start
-        new = out[:, batch["input_ids"].shape[1]:]
-        eos = tokenizer.eos_token_id
-        # Count real tokens: up to and including each row's first EOS (padding after it is not output).
-        counts = [int((row == eos).nonzero()[0]) + 1 if (row == eos).any() else len(row) for row in new]
-        runs.append(sum(counts) / elapsed)
+        num_tokens, start = 0, time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            batch = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.inference_mode():
+                new = model.generate(**batch, **kwargs)[:, batch["input_ids"].shape[1]:]
+            is_eos = new == tokenizer.eos_token_id
+            num_tokens += sum(int(row.nonzero()[0]) + 1 if row.any() else len(row) for row in is_eos)
+        runs.append(num_tokens / (time.perf_counter() - start))
     return {"tok_s": statistics.median(runs), "tok_s_runs": runs}
 
 
@@ -182,7 +183,7 @@ def sweep(args):
                 llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_progress=False)  # warm-up
                 row = {"method": draft, "k": k, "batch": b, **run_nanospec(llm, prompts, params, args.repeat)}
                 if hf and draft in ("none", "ngram") and (draft == "none" or b == 1):
-                    row["hf_tok_s"] = run_hf(*hf, prompts, args.max_tokens, args.repeat,
+                    row["hf_tok_s"] = run_hf(*hf, prompts, b, args.max_tokens, args.repeat,
                                              prompt_lookup=k if draft == "ngram" else None)["tok_s"]
                 results.append(row)
                 progress.advance(task)
