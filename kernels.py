@@ -3,7 +3,7 @@
 # where it pays on a GPU, a Triton kernel (`triton_*`) with the same signature; one public function per
 # op picks. Never pick Triton for a CPU tensor unless forced (tests under TRITON_INTERPRET=1).
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ class AttentionContext:
     query_start_loc: torch.Tensor  # [B+1] cu_seqlens of the packed queries
     max_q_len: int                 # host-side maxima, so no op needs a device->host sync
     max_seq_len: int
-    torch_plan: "TorchAttentionPlan | None" = None  # index work the torch path derives once per step
+    torch_plan: "list[TorchAttentionGroup] | None" = None  # index work the torch path derives once per step
 
 
 _context: AttentionContext | None = None
@@ -57,46 +57,79 @@ def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 @dataclass(slots=True)
-class TorchAttentionPlan:
-    """What the torch attention path derives from the step's metadata once and every layer reuses."""
-    slots: torch.Tensor        # [B, L] cache slot of each context position (L = max_seq_len)
-    row: torch.Tensor | None   # [T] row of each packed query in the padded [B * max_q_len] layout
-    mask: torch.Tensor | None  # [B, 1, max_q_len, L] where queries may attend; None: everywhere
+class TorchAttentionGroup:
+    """Sequences the torch path attends in one padded SDPA call; derived once per step, reused by
+    every layer. Short queries (decode, verify, draft catch-up) share a group; each long prefill
+    chunk gets its own, so one 2k-token chunk never pads every decode row to 2k queries."""
+    tokens: torch.Tensor | None  # [Tg] packed query rows of the group (None: every row, in order)
+    blocks: torch.Tensor         # [Bg, ceil(Lg / block_size)] block ids of each context (-1 -> 0)
+    max_len: int                 # Lg, the longest context in the group
+    row: torch.Tensor | None     # [Tg] row of each query in the padded [Bg * max_q] layout (None: 1 each)
+    mask: torch.Tensor | None    # [Bg, 1, max_q, Lg] where queries may attend; None: everywhere
+    max_q: int
+    # Gather buffers reused by every layer: a fresh multi-MB tensor per layer costs page faults.
+    buffers: list = field(default_factory=list)
 
 
-def torch_attention_plan(block_tables, seq_lens, query_start_loc, block_size, max_q_len, max_seq_len):
+SHORT_QUERY = 16  # queries per sequence up to which sequences share one padded attention call
+
+
+def torch_attention_plan(block_tables, seq_lens, query_start_loc, block_size) -> list[TorchAttentionGroup]:
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    short = [b for b, n in enumerate(q_lens) if 0 < n <= SHORT_QUERY]
+    groups = ([short] if short else []) + [[b] for b, n in enumerate(q_lens) if n > SHORT_QUERY]
+    whole = len(groups) == 1 and len(groups[0]) == len(q_lens)
+    return [_attention_group(g, block_tables, starts, q_lens, lens, block_size, whole) for g in groups]
+
+
+def _attention_group(seqs, block_tables, starts, q_lens, lens, block_size, whole):
     device = block_tables.device
-    num_seqs, num_tokens = seq_lens.shape[0], int(query_start_loc[-1])
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    pos = torch.arange(max_seq_len, device=device)
-    slots = block_tables[:, pos // block_size].clamp_min(0).long() * block_size + pos % block_size
-    row = None
-    if not (max_q_len == 1 and num_tokens == num_seqs):  # plain decode needs no query padding
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
-                                               output_size=num_tokens)
-        row = seq_of_token * max_q_len + torch.arange(num_tokens, device=device) - query_start_loc[seq_of_token]
+    max_q, max_len = max(q_lens[b] for b in seqs), max(lens[b] for b in seqs)
+    pos = torch.arange(max_len, device=device)
+    tables = block_tables if whole else block_tables[torch.tensor(seqs, device=device)]
+    blocks = tables[:, :-(-max_len // block_size)].clamp_min(0).long()  # padding blocks are masked off
+    tokens = None if whole else torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in seqs]).to(device)
+    row = None if max_q == 1 else torch.cat([torch.arange(q_lens[b]) + i * max_q for i, b in enumerate(seqs)]).to(device)
     # Key l is visible to query j of sequence b iff l <= seq_lens[b] - q_len_b + j.
-    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q_len, device=device)[None, :]
-    mask = pos[None, None, :] <= q_pos[:, :, None]
-    return TorchAttentionPlan(slots, row, None if bool(mask.all()) else mask[:, None])
+    first_pos = torch.tensor([lens[b] - q_lens[b] for b in seqs], device=device)
+    mask = pos[None, None, :] <= (first_pos[:, None] + torch.arange(max_q, device=device))[:, :, None]
+    return TorchAttentionGroup(tokens, blocks, max_len, row, None if bool(mask.all()) else mask[:, None], max_q)
 
 
-def torch_attend(q, k_cache, v_cache, plan: TorchAttentionPlan, scale, max_q_len):
-    """Gather each sequence's context once, pad queries to [B, max_q_len], one batched SDPA."""
+def _attend_group(q, k_cache, v_cache, group: TorchAttentionGroup, scale):
+    """Gather the group's contexts, pad its queries to [Bg, max_q], one batched SDPA."""
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs = plan.slots.shape[0]
-    k = k_cache.view(-1, *k_cache.shape[2:])[plan.slots].transpose(1, 2)
-    v = v_cache.view(-1, *v_cache.shape[2:])[plan.slots].transpose(1, 2)
-    if plan.row is None:
+    num_seqs = group.blocks.shape[0]
+
+    if not group.buffers:
+        shape = (group.blocks.numel(), *k_cache.shape[1:])
+        group.buffers = [k_cache.new_empty(shape), v_cache.new_empty(shape)]
+
+    def gather(cache, out):  # whole blocks at a time: far faster than gathering single slots on CPU
+        torch.index_select(cache, 0, group.blocks.flatten(), out=out)
+        return out.view(num_seqs, -1, *cache.shape[2:])[:, :group.max_len].transpose(1, 2)
+
+    k, v = gather(k_cache, group.buffers[0]), gather(v_cache, group.buffers[1])
+    if group.row is None:
         q_pad = q.view(num_seqs, 1, num_heads, head_dim)
     else:
-        q_pad = q.new_zeros(num_seqs * max_q_len, num_heads, head_dim)
-        q_pad[plan.row] = q
-        q_pad = q_pad.view(num_seqs, max_q_len, num_heads, head_dim)
-    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=plan.mask, scale=scale,
+        q_pad = q.new_zeros(num_seqs * group.max_q, num_heads, head_dim)
+        q_pad[group.row] = q
+        q_pad = q_pad.view(num_seqs, group.max_q, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
                                          enable_gqa=num_heads != k.shape[1])
-    out = out.transpose(1, 2).reshape(num_seqs * max_q_len, num_heads, head_dim)
-    return out if plan.row is None else out[plan.row]
+    out = out.transpose(1, 2).reshape(num_seqs * group.max_q, num_heads, head_dim)
+    return out if group.row is None else out[group.row]
+
+
+def torch_attend(q, k_cache, v_cache, plan: list[TorchAttentionGroup], scale):
+    if len(plan) == 1 and plan[0].tokens is None:
+        return _attend_group(q, k_cache, v_cache, plan[0], scale)
+    out = q.new_zeros(q.shape)
+    for group in plan:
+        out[group.tokens] = _attend_group(q[group.tokens], k_cache, v_cache, group, scale)
+    return out
 
 
 def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -107,8 +140,8 @@ def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     """
     if q.shape[0] == 0:
         return q.new_empty(q.shape)
-    plan = torch_attention_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1], max_q_len, max_seq_len)
-    return torch_attend(q, k_cache, v_cache, plan, scale, max_q_len)
+    plan = torch_attention_plan(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    return torch_attend(q, k_cache, v_cache, plan, scale)
 
 
 def torch_rms_norm(x, weight, eps, residual=None):
@@ -211,9 +244,8 @@ def attention(q, k, v, k_cache, v_cache, scale):
         return triton_paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                       ctx.query_start_loc, scale, ctx.max_q_len, ctx.max_seq_len)
     if ctx.torch_plan is None:  # the first layer derives the index work; the other layers reuse it
-        ctx.torch_plan = torch_attention_plan(ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                              k_cache.shape[1], ctx.max_q_len, ctx.max_seq_len)
-    return torch_attend(q, k_cache, v_cache, ctx.torch_plan, scale, ctx.max_q_len)
+        ctx.torch_plan = torch_attention_plan(ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, k_cache.shape[1])
+    return torch_attend(q, k_cache, v_cache, ctx.torch_plan, scale)
 
 
 # ---------------------------------------------------------------------------------------------

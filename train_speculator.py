@@ -108,7 +108,8 @@ def train(args):
     if os.path.exists(data_file):  # resumable: the collected data is reused
         data = load_file(data_file)
     else:
-        tokens, hidden, trainable = collect(llm, read_prompts(args.prompts, llm.tokenizer), args.max_tokens)
+        prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
+        tokens, hidden, trainable = collect(llm, prompts, args.max_tokens)
         data = {"tokens": tokens, "hidden": hidden, "trainable": trainable}
         os.makedirs(args.out, exist_ok=True)
         save_file(data, data_file)
@@ -136,6 +137,7 @@ def parse_args(argv=None):
     p.add_argument("--model", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder (config.json + model.safetensors)")
     p.add_argument("--prompts", nargs="+", default=["grounded"], help="JSONL files and/or 'grounded'")
+    p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--n-predict", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=256, help="target continuation length per prompt")
     p.add_argument("--steps", type=int, default=1000)
