@@ -132,3 +132,35 @@ def test_top_k_top_p_and_temperature_masks():
     assert torch.equal(probs[3], torch.tensor([1.0, 0, 0, 0]))
     hot = logits_to_probs(logits[:1], [Sequence([1], SamplingParams(temperature=0.5), "cpu")])
     assert torch.allclose(hot[0], torch.softmax(logits[0] / 0.5, -1))
+
+
+def test_engine_sampling_with_speculation_matches_the_target(tmp_path):
+    """End to end at temperature 1: the first two tokens generated with a draft model (the second one
+    comes from a speculative step: accepted draft or recovered token) follow the target's exact joint
+    distribution, computed with transformers; and the same seeds give the same tokens again."""
+    import tiny
+    from nanospec import LLM
+    hf = tiny.write_checkpoint(tmp_path / "target", tiny.llama_like())
+    tiny.write_checkpoint(tmp_path / "draft", tiny.llama_like(num_hidden_layers=1), seed=1)
+    prompt, n = [5, 9, 14, 23], 3000
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        p2 = torch.softmax(hf(torch.tensor([prompt + [t] for t in range(tiny.VOCAB)])).logits[:, -1].double(), -1)
+    exact = (p1[:, None] * p2).flatten()
+    llm = LLM(str(tmp_path / "target"), dtype="float32", block_size=4, num_blocks=1024, max_num_seqs=256,
+              draft=str(tmp_path / "draft"), num_spec_tokens=2)
+    params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=i) for i in range(n)]
+    outs = llm.generate([prompt] * n, params, use_progress=False)
+    drafted, accepted = sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)
+    assert 0 < accepted < drafted  # both accepted drafts and recovered tokens occurred
+    pairs = torch.tensor([o.token_ids[0] * tiny.VOCAB + o.token_ids[1] for o in outs])
+    freq = torch.bincount(pairs, minlength=tiny.VOCAB ** 2).double() / n
+    # The joint over both tokens, and (with far more samples per cell, so more power) the marginal of
+    # the speculated second token. Cells expected to hold fewer than 5 samples are pooled into one.
+    for f, e in ((freq, exact), (freq.view(tiny.VOCAB, -1).sum(0), exact.view(tiny.VOCAB, -1).sum(0))):
+        small = e * n < 5
+        pooled_f, pooled_e = torch.cat([f[~small], f[small].sum()[None]]), torch.cat([e[~small], e[small].sum()[None]])
+        chi2, dof = chi_square(pooled_f, pooled_e, n)
+        assert chi2 < dof + 6 * (2 * dof) ** 0.5, f"chi2 {chi2:.1f} with {dof} dof"
+    again = llm.generate([prompt] * 50, params[:50], use_progress=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:50]]
