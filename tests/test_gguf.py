@@ -115,3 +115,21 @@ def test_transformers_answers(folder):
     out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
     answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer  # a wrong q/k un-permute gives fluent-looking garbage instead
+
+
+@needs_gguf
+def test_nanospec_greedy_equals_transformers_on_default_model(folder):
+    """The converted default model through nanospec: same chat prompt tokens, same greedy answer."""
+    transformers = pytest.importorskip("transformers")
+    from nanospec import LLM, SamplingParams
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    llm = LLM(folder, dtype="float32", num_blocks=64)
+    chat = [{"role": "user", "content": "Name three primary colors."}]
+    prompt = llm.tokenizer.apply_chat_template(chat)
+    ref_ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    assert llm.tokenizer.encode(prompt) == ref_ids[0].tolist()
+    ref = model.generate(ref_ids, max_new_tokens=24, do_sample=False)[0, ref_ids.shape[1]:].tolist()
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_progress=False)[0]
+    assert ours.token_ids == ref
+    assert ours.text == tok.decode(ref, skip_special_tokens=True)
