@@ -338,6 +338,9 @@ class LLMEngine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens but the context is {self.max_model_len} "
                              f"(max_model_len): it must leave room for at least one new token")
+        if isinstance(self.proposer, MLPProposer) and (params.num_spec_tokens or 0) > self.proposer.model.n_predict:
+            raise ValueError(f"SamplingParams.num_spec_tokens {params.num_spec_tokens} exceeds the speculator's "
+                             f"n_predict {self.proposer.model.n_predict}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         needed = self.blocks.blocks_for(min(len(prompt) + params.max_tokens, self.max_model_len))

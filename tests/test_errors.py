@@ -102,6 +102,9 @@ def test_bad_spec_configs(folder, tmp_path):
     tiny.write_mlp_speculator(tmp_path / "mlp", emb_dim=64, n_predict=2)
     with pytest.raises(ValueError, match="exceeds the speculator's n_predict 2"):
         LLM(str(folder), draft=f"mlp:{tmp_path / 'mlp'}", num_spec_tokens=3)
+    llm = LLM(str(folder), draft=f"mlp:{tmp_path / 'mlp'}", num_spec_tokens=2, num_blocks=16)
+    with pytest.raises(ValueError, match="num_spec_tokens 3 exceeds the speculator's n_predict 2"):
+        llm.generate([[5, 6]], SamplingParams(num_spec_tokens=3))
     tiny.write_mlp_speculator(tmp_path / "mlp_wide", emb_dim=32, n_predict=2)
     with pytest.raises(ValueError, match="does not fit the target"):
         LLM(str(folder), draft=f"mlp:{tmp_path / 'mlp_wide'}", num_spec_tokens=2)
