@@ -137,6 +137,10 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers, self.num_kv_heads, self.head_dim = len(self.model.layers), attn.num_kv_heads, attn.head_dim
         self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
         self.max_position_embeddings = config.get("max_position_embeddings", 4096)
+        if config.get("sliding_window") and (arch == "MistralForCausalLM" or config.get("use_sliding_window")):
+            # Sliding-window attention is not implemented; within the window it equals full attention,
+            # so the context is capped there rather than silently computing something else.
+            self.max_position_embeddings = min(self.max_position_embeddings, config["sliding_window"])
         # rope_cache builds on the CPU explicitly: models are constructed on the meta device.
         self.register_buffer("cos_sin_cache", rope_cache(config, self.head_dim, self.max_position_embeddings),
                              persistent=False)

@@ -76,3 +76,15 @@ def test_low_precision_dtypes_track_float32(dtype, tmp_path):
     got = paged_logits(LLM(str(tmp_path), dtype=dtype, block_size=4, num_blocks=16), [(tokens, [10, 1, 6])])[0]
     assert got.dtype == dtype
     assert (got.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+
+
+def test_sliding_window_caps_the_context(tmp_path):
+    """Sliding-window attention is not implemented, so the context stops at the window (where full
+    attention is exact) instead of silently attending past it."""
+    tiny.write_checkpoint(tmp_path, tiny.llama_like("MistralForCausalLM", sliding_window=8))
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=16)
+    assert llm.max_model_len == 8
+    with pytest.raises(ValueError, match="the context is 8"):
+        llm.generate([list(range(3, 11))], SamplingParams(max_tokens=2))
+    out = llm.generate([list(range(3, 8))], SamplingParams(max_tokens=10, ignore_eos=True), use_progress=False)[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
