@@ -33,7 +33,7 @@ bench: install
 
 # Self-distil an MLP speculator for the default model from offline prompts (the standard library's code).
 speculator: install
-	$(BIN)/python train_speculator.py --out $(SPECULATOR) --prompts stdlib --steps 1500
+	$(BIN)/python train_speculator.py --out $(SPECULATOR) --prompts stdlib
 
 clean:
 	rm -rf $(VENV)
