@@ -209,13 +209,6 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     return fn(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    max_q_len, max_seq_len):
-    fn = triton_paged_attention if use_triton(q) else torch_paged_attention
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-              max_q_len, max_seq_len)
-
-
 def rms_norm(x, weight, eps, residual=None):
     fn = triton_rms_norm if use_triton(x) else torch_rms_norm
     return fn(x, weight, eps, residual)
@@ -237,7 +230,8 @@ def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, unifor
 
 
 def attention(q, k, v, k_cache, v_cache, scale):
-    """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
+    """What a model's attention layer calls, and paged attention's dispatch point: store this step's
+    K/V, then attend over the cache. The torch path reuses the step's index plan across layers."""
     ctx = get_context()
     store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     if use_triton(q):
