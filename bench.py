@@ -238,12 +238,29 @@ def bench_kernels():
                 tflops = 4 * batch * q_len * num_kv * group * context * head_dim / t_triton / 1e9
                 print(f"paged_attention q_len {q_len} batch {batch:3d} ctx {context:5d}: triton {1000 * t_triton:8.1f} us "
                       f"({gbs:6.0f} GB/s, {tflops:5.1f} TFLOP/s)  torch {1000 * t_torch:8.1f} us")
-    x = torch.randn(4096, 4096, device=dev, dtype=dtype)
-    w = torch.randn(4096, device=dev, dtype=dtype)
-    for name, fn, ref in (("rms_norm", lambda: kernels.triton_rms_norm(x, w, 1e-6), lambda: kernels.torch_rms_norm(x, w, 1e-6)),
-                          ("silu_mul", lambda: kernels.triton_silu_mul(x), lambda: kernels.torch_silu_mul(x))):
-        t, r = triton.testing.do_bench(fn), triton.testing.do_bench(ref)
-        print(f"{name}: triton {1000 * t:.1f} us ({2 * x.numel() * x.element_size() / t / 1e6:.0f} GB/s)  torch {1000 * r:.1f} us")
+    # Elementwise kernels on 4096 tokens: bandwidth is what they can achieve (bytes read + written).
+    tokens, hidden, heads = 4096, 4096, 32
+    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+    w = torch.randn(hidden, device=dev, dtype=dtype)
+    q = torch.randn(tokens, heads, head_dim, device=dev, dtype=dtype)
+    k = torch.randn(tokens, num_kv, head_dim, device=dev, dtype=dtype)
+    positions = torch.arange(tokens, device=dev)
+    cos_sin = torch.randn(tokens, head_dim, device=dev)
+    k_cache = torch.zeros(tokens // block_size, block_size, num_kv, head_dim, device=dev, dtype=dtype)
+    slots = torch.randperm(tokens, device=dev)
+    vocab, k_max, batch = 128 * 1024, 4, 64
+    probs = torch.softmax(torch.randn(batch, k_max + 1, vocab, device=dev), -1)
+    sample_args = (probs, torch.randint(vocab, (batch, k_max), device=dev), probs[:, :k_max].clone(),
+                   torch.full((batch,), k_max, device=dev), torch.rand(batch, k_max, device=dev),
+                   torch.empty(batch, vocab, device=dev).exponential_())
+    cases = [("rms_norm", (x, w, 1e-6), 2 * x.nbytes), ("silu_mul", (x,), 1.5 * x.nbytes),
+             ("rotary", (q, k, positions, cos_sin), 2 * (q.nbytes + k.nbytes)),
+             ("store_kv", (k, k, k_cache, k_cache.clone(), slots), 4 * k.nbytes),
+             ("rejection_sample", sample_args, 2 * probs.nbytes)]
+    for name, args, nbytes in cases:
+        t = triton.testing.do_bench(lambda: getattr(kernels, f"triton_{name}")(*args))
+        r = triton.testing.do_bench(lambda: getattr(kernels, f"torch_{name}")(*args))
+        print(f"{name}: triton {1000 * t:.1f} us ({nbytes / t / 1e6:.0f} GB/s)  torch {1000 * r:.1f} us")
 
 
 def main(argv=None):
