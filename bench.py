@@ -159,7 +159,7 @@ def sweep(args):
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     configs = [("none", 0)] * ("none" in drafts) + [(d, k) for d in drafts if d != "none" for k in ks]
-    results, engines = [], {}
+    results = []
     base = LLM(model, dtype=args.dtype, max_num_seqs=max(batch_sizes))
     all_prompts = read_workload(args.workload)
     if args.chat and base.tokenizer and base.tokenizer.chat_template:

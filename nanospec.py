@@ -132,17 +132,16 @@ def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
-def exp_noise(seq: Sequence, rows: int, vocab: int, device) -> torch.Tensor:
-    """Exp(1) noise from the request's own generator: argmax(p / noise) samples p (no host sync),
-    and the same seed gives the same draws whatever else is in the batch. Greedy needs no noise."""
-    if seq.params.temperature == 0:
-        return torch.ones(rows, vocab, device=device)
-    return torch.empty(rows, vocab, device=device).exponential_(generator=seq.generator)
+def exp_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor:
+    """[len(seqs), vocab] Exp(1) noise, each row from its request's own generator: argmax(p / noise)
+    samples p (no host sync), and the same seed gives the same draws whatever else is in the batch.
+    Greedy rows need no noise."""
+    return torch.stack([torch.ones(vocab, device=device) if s.params.temperature == 0 else
+                        torch.empty(vocab, device=device).exponential_(generator=s.generator) for s in seqs])
 
 
 def sample(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    noise = torch.cat([exp_noise(s, 1, probs.shape[-1], probs.device) for s in seqs])
-    return (probs / noise).argmax(-1)
+    return (probs / exp_noise(seqs, probs.shape[-1], probs.device)).argmax(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +220,7 @@ def interpolate(table: dict[int, float], x: int) -> float:
     hi = next(i for i, s in enumerate(sizes) if s >= x)
     if hi == 0:
         return table[sizes[0]]
-    (x0, x1) = sizes[hi - 1], sizes[hi]
+    x0, x1 = sizes[hi - 1], sizes[hi]
     return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
 
 
@@ -529,7 +528,7 @@ class LLMEngine:
                 draft_probs[b, :k] = it.draft_probs
             if k and it.seq.params.temperature > 0:
                 uniform[b, :k] = torch.rand(k, generator=it.seq.generator, device=self.device)
-        noise = torch.cat([exp_noise(it.seq, 1, vocab, self.device) for it in sampling])
+        noise = exp_noise([it.seq for it in sampling], vocab, self.device)
         num_drafts = torch.tensor([len(it.drafts) for it in sampling], device=self.device)
         num_accepted, next_tokens = kernels.rejection_sample(target_probs, draft_tokens, draft_probs,
                                                              num_drafts, uniform, noise)
