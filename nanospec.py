@@ -89,7 +89,8 @@ class RequestOutput:
     num_draft_tokens: int
     num_accepted_tokens: int
     num_spec_steps: int
-    accepted_per_position: dict
+    accepted_per_position: dict   # position -> share of steps whose drafts were accepted through it
+    drafted_per_position: dict    # position -> steps that drafted a token there
     ttft: float
     tpot: float
     latency: float
@@ -587,6 +588,7 @@ class LLMEngine:
             seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, seq.text, seq.finish_reason,
             seq.num_drafted, seq.num_accepted, seq.num_spec_steps,
             {i: seq.accepted_per_position[i] / seq.drafted_per_position[i] for i in sorted(seq.drafted_per_position)},
+            dict(seq.drafted_per_position),
             ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(n - 1, 1),
             latency=seq.finish_time - seq.arrival_time)
 
@@ -688,11 +690,11 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
 
 
 def spec_metrics(outputs: list[RequestOutput]) -> dict:
-    drafted, accepted = Counter(), Counter()
+    drafted, accepted = Counter(), Counter()  # pooled over requests: each drafted token counts once
     for o in outputs:
         for pos, rate in o.accepted_per_position.items():
-            drafted[pos] += 1
-            accepted[pos] += rate
+            drafted[pos] += o.drafted_per_position[pos]
+            accepted[pos] += rate * o.drafted_per_position[pos]
     return {"acceptance_per_position": [accepted[i] / drafted[i] for i in sorted(drafted)]}
 
 

@@ -140,3 +140,17 @@ def test_abort_frees_blocks(target):
         llm.step()
     assert b.finish_reason == "length" and len(b.output_ids) == 20
     assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+
+
+def test_acceptance_per_position_pools_requests(target, drafts):
+    """The run-level rate weights each request by how many tokens it drafted at that position."""
+    from nanospec import spec_metrics
+    llm = LLM(target[0], dtype="float32", block_size=4, num_blocks=128, draft=drafts["ngram"], num_spec_tokens=3)
+    outs = llm.generate(prompts(6), GREEDY, use_progress=False)
+    pooled = spec_metrics(outs)["acceptance_per_position"]
+    for pos, rate in enumerate(pooled):
+        drafted = sum(o.drafted_per_position.get(pos, 0) for o in outs)
+        accepted = sum(o.accepted_per_position.get(pos, 0) * o.drafted_per_position.get(pos, 0) for o in outs)
+        assert rate == pytest.approx(accepted / drafted)
+    steps = sum(o.num_spec_steps for o in outs)
+    assert pooled and sum(o.drafted_per_position.get(0, 0) for o in outs) <= steps
