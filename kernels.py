@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # Tests set this (or NANOSPEC_TRITON=1) to run the Triton kernels on CPU under TRITON_INTERPRET=1.
 FORCE_TRITON = os.environ.get("NANOSPEC_TRITON") == "1"
@@ -240,6 +241,44 @@ def attention(q, k, v, k_cache, v_cache, scale):
     if ctx.torch_plan is None:  # the first layer derives the index work; the other layers reuse it
         ctx.torch_plan = torch_attention_plan(ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, k_cache.shape[1])
     return torch_attend(q, k_cache, v_cache, ctx.torch_plan, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers on the CPU. Models are built from plain nn.Linear; in bfloat16 on a CPU that oneDNN
+# supports, load_model swaps each for a PrepackedLinear. F.linear hands oneDNN the row-major weight,
+# which it re-blocks for its AMX / AVX-512 kernels on every call; reordering once at load time made
+# the matmuls of a SmolLM2-135M decode step about 1.4x faster (BENCHMARKS.md).
+# ---------------------------------------------------------------------------------------------
+class PrepackedLinear(nn.Module):
+    # oneDNN tunes the blocked layout for a row count; 16 measured fastest for every count from 1 to 33.
+    ROWS_HINT = 16
+
+    def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.packed_weight, self.bias = packed_weight, bias  # opaque oneDNN tensor: only this op reads it
+
+    def forward(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def prepack_linears(model: nn.Module) -> nn.Module:
+    """Swap every nn.Linear whose weight can be prepacked; a weight shared by several layers (a tied
+    lm_head, an MLP speculator's tied heads) is packed once and stays shared."""
+    packed = {}
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and can_prepack(child.weight):
+                key = child.weight.data_ptr()
+                if key not in packed:
+                    packed[key] = torch.ops.mkldnn._reorder_linear_weight(child.weight.detach(),
+                                                                          PrepackedLinear.ROWS_HINT)
+                setattr(module, name, PrepackedLinear(packed[key], child.bias))
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -190,7 +190,7 @@ class DraftModelProposer:
             hidden, query_start = engine.forward(self.model, batch)
             for seq, tokens, start in batch:
                 seq.num_draft_cached = start + len(tokens)
-            logits = self.model.compute_logits(hidden[query_start[1:] - 1])
+            logits = self.model.lm_head(hidden[query_start[1:] - 1])
             engine.append_drafts(items, logits)
 
 
@@ -499,7 +499,7 @@ class LLMEngine:
         ends = [query_start[i + 1].item() for i, it in enumerate(scheduled) if it.samples]
         rows = torch.tensor([r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)],
                             device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.lm_head(hidden[rows])
         num_accepted, next_tokens = self.accept(sampling, logits)
         finished = []
         row = 0

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from models import load_model
+from models.gguf import default_model_path
 from models.mlp_speculator import MLPSpeculator
 from nanospec import LLM, SamplingParams
 
@@ -42,14 +44,15 @@ def loss_per_head(spec: MLPSpeculator, tokens, hidden, positions) -> list[torch.
     return losses
 
 
-def new_speculator(llm: LLM, n_predict: int) -> tuple[MLPSpeculator, dict]:
+def new_speculator(target_path: str, n_predict: int) -> tuple[MLPSpeculator, dict]:
     """Tied heads, inner_dim = hidden size; emb and head start from the target's own embeddings and
     lm_head (and stay frozen), so only the small projections and norms are trained."""
+    target, _ = load_model(target_path, torch.float32)  # plain fp32 weights (the engine's may be prepacked)
     config = dict(model_type="mlp_speculator", architectures=["MLPSpeculatorPreTrainedModel"],
-                  emb_dim=llm.model.hidden_size, inner_dim=0, n_predict=n_predict, vocab_size=llm.model.vocab_size,
+                  emb_dim=target.hidden_size, inner_dim=0, n_predict=n_predict, vocab_size=target.vocab_size,
                   tie_weights=True, scale_input=True, torch_dtype="float32")
     spec = MLPSpeculator(config)
-    embed, head = llm.model.embedding_weight(), llm.model.lm_head_weight()
+    embed, head = target.embedding_weight(), target.lm_head.weight
     with torch.no_grad():
         for i in range(n_predict):
             spec.emb[i].weight = spec.emb[0].weight  # tie in memory: one emb, one head, one ln, proj 1..n shared
@@ -102,8 +105,9 @@ def read_prompts(files: list[str], chat_tokenizer) -> list[str]:
 def train(args):
     from rich.progress import Progress
     torch.manual_seed(args.seed)
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=32)
-    spec, config = new_speculator(llm, args.n_predict)
+    target_path = args.model or default_model_path()
+    llm = LLM(target_path, dtype=args.dtype, max_num_seqs=32)
+    spec, config = new_speculator(target_path, args.n_predict)
     data_file = os.path.join(args.out, "data.safetensors")
     if os.path.exists(data_file):  # resumable: the collected data is reused
         data = load_file(data_file)

@@ -7,6 +7,7 @@ import os
 import torch
 from safetensors import safe_open
 
+from kernels import prepack_linears
 from models.llama import LlamaForCausalLM
 from models.opt import OPTForCausalLM
 
@@ -57,12 +58,12 @@ def safetensors_files(path: str) -> list[str]:
                             "(pickle checkpoints are never loaded)")
 
 
-def read_checkpoint(path: str, dtype: torch.dtype, rename=lambda name: name) -> dict:
+def read_checkpoint(path: str, dtype: torch.dtype, rename=lambda name: name, device="cpu") -> dict:
     state = {}
     for file in safetensors_files(path):
         if not os.path.exists(file):
             raise FileNotFoundError(f"{file}: shard listed in the index is missing")
-        with safe_open(file, framework="pt") as f:
+        with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
                 if not name.endswith(IGNORED_SUFFIXES):
                     state[rename(name)] = f.get_tensor(name).to(dtype)
@@ -80,9 +81,12 @@ def pack(state: dict, packed_modules: dict) -> dict:
     return state
 
 
-def load_weights(model: torch.nn.Module, path: str, dtype: torch.dtype):
+def load_weights(model: torch.nn.Module, path: str, dtype: torch.dtype, device):
     rename = getattr(model, "rename", lambda name: name)
-    state = pack(read_checkpoint(path, dtype, rename), getattr(model, "packed_modules", {}))
+    state = pack(read_checkpoint(path, dtype, rename, device), getattr(model, "packed_modules", {}))
+    for name, source in model.tied_weights.items():  # one tensor, two names (a tied lm_head)
+        if name not in state and source in state:
+            state[name] = state[source]
     expected = model.state_dict()
     for name, param in expected.items():
         if name not in state:
@@ -107,8 +111,8 @@ def load_model(path: str, dtype="auto", device="cpu"):
             model = ARCHITECTURES[arch](config, arch)
     except KeyError as e:
         raise ValueError(f"{path}/config.json: missing field {e.args[0]!r}") from None
-    load_weights(model, path, dtype)
-    return model.to(device).eval(), config
+    load_weights(model, path, dtype, device)
+    return prepack_linears(model.to(device).eval()), config
 
 
 class Tokenizer:

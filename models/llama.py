@@ -4,7 +4,6 @@
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import attention, rms_norm, rotary, silu_mul
@@ -130,9 +129,10 @@ class LlamaForCausalLM(nn.Module):
         if arch == "Qwen2ForCausalLM":  # Qwen2 always has q/k/v bias and never an o_proj bias
             flags.update(qkv_bias=True, o_bias=False)
         self.model = DecoderModel(config, **flags)
-        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        # A tied head is the embedding matrix itself: the loader fills lm_head.weight from it.
+        self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"} \
+            if config.get("tie_word_embeddings", False) else {}
         attn = self.model.layers[0].self_attn
         self.num_layers, self.num_kv_heads, self.head_dim = len(self.model.layers), attn.num_kv_heads, attn.head_dim
         self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
@@ -158,9 +158,3 @@ class LlamaForCausalLM(nn.Module):
 
     def embedding_weight(self):
         return self.model.embed_tokens.weight
-
-    def lm_head_weight(self):
-        return self.embedding_weight() if self.tie_word_embeddings else self.lm_head.weight
-
-    def compute_logits(self, hidden):
-        return F.linear(hidden, self.lm_head_weight())

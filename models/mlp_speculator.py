@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import prepack_linears
 from models import read_checkpoint, resolve_dtype
 
 
@@ -81,4 +82,4 @@ def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
                              f"expected {tuple(param.shape)}")
         weights[name] = state[source]
     model.load_state_dict(weights, assign=True)
-    return model.to(device).eval()
+    return prepack_linears(model.to(device).eval())

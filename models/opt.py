@@ -77,9 +77,9 @@ class OPTForCausalLM(nn.Module):
         self.hidden_size = config.get("word_embed_proj_dim") or config["hidden_size"]
         self.vocab_size = config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
-        self.tie_word_embeddings = config.get("tie_word_embeddings", True)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+        self.tied_weights = {"lm_head.weight": "model.decoder.embed_tokens.weight"} \
+            if config.get("tie_word_embeddings", True) else {}
 
     @staticmethod
     def rename(name: str) -> str:
@@ -103,9 +103,3 @@ class OPTForCausalLM(nn.Module):
 
     def embedding_weight(self):
         return self.model.decoder.embed_tokens.weight
-
-    def lm_head_weight(self):
-        return self.embedding_weight() if self.tie_word_embeddings else self.lm_head.weight
-
-    def compute_logits(self, hidden):
-        return F.linear(hidden, self.lm_head_weight())

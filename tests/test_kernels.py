@@ -266,3 +266,26 @@ def test_rejection_sample_empty_batch():
     out = kernels.triton_rejection_sample(randn(0, 4, 11), no_ints, None, no_ints[:, 0], randn(0, 3),
                                           randn(0, 11))
     assert [t.shape for t in out] == [(0,), (0,)]
+
+
+@pytest.mark.skipif(not kernels.can_prepack(torch.zeros(1, dtype=torch.bfloat16)),
+                    reason="this CPU's oneDNN has no bfloat16 matmul to prepack for")
+def test_prepacked_linears_match_f_linear_and_keep_shared_weights_shared():
+    torch_dtype = torch.bfloat16
+    model = torch.nn.Module()
+    model.a = torch.nn.Linear(40, 24, bias=True).to(torch_dtype)
+    model.b = torch.nn.Linear(40, 24, bias=False).to(torch_dtype)
+    model.b.weight = model.a.weight  # tied, like an lm_head and its embedding
+    model.fp32 = torch.nn.Linear(40, 24)  # left alone: fp32 F.linear is the fast path
+    plain = {name: (m.weight.detach().clone(), m.bias) for name, m in model.named_children()}
+    kernels.prepack_linears(model)
+    assert isinstance(model.a, kernels.PrepackedLinear) and isinstance(model.b, kernels.PrepackedLinear)
+    assert model.a.packed_weight is model.b.packed_weight
+    assert isinstance(model.fp32, torch.nn.Linear)
+    for rows in (0, 1, 5, 33):
+        x = torch.randn(rows, 40).to(torch_dtype)
+        for name in ("a", "b"):
+            weight, bias = plain[name]
+            got = getattr(model, name)(x)
+            assert got.dtype == torch_dtype and got.shape == (rows, 24)
+            torch.testing.assert_close(got.float(), F.linear(x, weight, bias).float(), **TOLERANCE[torch_dtype])

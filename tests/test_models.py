@@ -36,7 +36,7 @@ def paged_logits(llm, batch_chunks):
                 batch.append((seq, tokens[start:start + chunks[step]], start))
         with torch.inference_mode():
             hidden, query_start = llm.forward(llm.model, batch)
-            out = llm.model.compute_logits(hidden)
+            out = llm.model.lm_head(hidden)
         for (seq, _, _), lo, hi in zip(batch, query_start[:-1], query_start[1:]):
             logits[seqs.index(seq)].append(out[lo:hi])
     return [torch.cat(parts) for parts in logits]
