@@ -66,8 +66,9 @@ class TorchAttentionGroup:
     blocks: torch.Tensor         # [Bg, ceil(Lg / block_size)] block ids of each context (-1 -> 0)
     max_len: int                 # Lg, the longest context in the group
     row: torch.Tensor | None     # [Tg] row of each query in the padded [Bg * max_q] layout (None: 1 each)
-    mask: torch.Tensor | None    # [Bg, 1, max_q, Lg] where queries may attend; None: everywhere
+    mask: torch.Tensor | None    # [Bg, 1, max_q, Lg] where queries may attend; None: see is_causal
     max_q: int
+    is_causal: bool              # one prompt with nothing cached: SDPA's own causal mask, which skips work
     # Gather buffers reused by every layer: a fresh multi-MB tensor per layer costs page faults.
     buffers: list = field(default_factory=list)
 
@@ -87,15 +88,17 @@ def torch_attention_plan(block_tables, seq_lens, query_start_loc, block_size) ->
 def _attention_group(seqs, block_tables, starts, q_lens, lens, block_size, whole):
     device = block_tables.device
     max_q, max_len = max(q_lens[b] for b in seqs), max(lens[b] for b in seqs)
-    pos = torch.arange(max_len, device=device)
     tables = block_tables if whole else block_tables[torch.tensor(seqs, device=device)]
     blocks = tables[:, :-(-max_len // block_size)].clamp_min(0).long()  # padding blocks are masked off
     tokens = None if whole else torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in seqs]).to(device)
     row = None if max_q == 1 else torch.cat([torch.arange(q_lens[b]) + i * max_q for i, b in enumerate(seqs)]).to(device)
+    if len(seqs) == 1 and max_q == max_len > 1:  # a whole prompt at once: plain causal attention
+        return TorchAttentionGroup(tokens, blocks, max_len, row, None, max_q, is_causal=True)
     # Key l is visible to query j of sequence b iff l <= seq_lens[b] - q_len_b + j.
     first_pos = torch.tensor([lens[b] - q_lens[b] for b in seqs], device=device)
-    mask = pos[None, None, :] <= (first_pos[:, None] + torch.arange(max_q, device=device))[:, :, None]
-    return TorchAttentionGroup(tokens, blocks, max_len, row, None if bool(mask.all()) else mask[:, None], max_q)
+    mask = torch.arange(max_len, device=device)[None, None, :] <= (first_pos[:, None] + torch.arange(max_q, device=device))[:, :, None]
+    return TorchAttentionGroup(tokens, blocks, max_len, row, None if bool(mask.all()) else mask[:, None], max_q,
+                               is_causal=False)
 
 
 def _attend_group(q, k_cache, v_cache, group: TorchAttentionGroup, scale):
@@ -119,7 +122,7 @@ def _attend_group(q, k_cache, v_cache, group: TorchAttentionGroup, scale):
         q_pad[group.row] = q
         q_pad = q_pad.view(num_seqs, group.max_q, num_heads, head_dim)
     out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
-                                         enable_gqa=num_heads != k.shape[1])
+                                         is_causal=group.is_causal, enable_gqa=num_heads != k.shape[1])
     out = out.transpose(1, 2).reshape(num_seqs * group.max_q, num_heads, head_dim)
     return out if group.row is None else out[group.row]
 
@@ -154,16 +157,12 @@ def torch_rms_norm(x, weight, eps, residual=None):
     return normed if residual is None else (normed, residual)
 
 
-def torch_rotary(q, k, positions, cos_sin_cache):
-    """Neox-style rotary on q [T, Hq, D] and k [T, Hkv, D]; cos_sin_cache [max_pos, D] = [cos | sin]."""
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
-
-    def rotate(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    return rotate(q), rotate(k)
+def torch_rotary(x, cos_sin):
+    """Neox-style rotary on x [T, H, D] (a layer's q and k heads side by side, so one call rotates
+    both); cos_sin [T, D] = [cos | sin] at each token's position, already in x's dtype."""
+    cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def torch_silu_mul(x):
@@ -215,9 +214,9 @@ def rms_norm(x, weight, eps, residual=None):
     return fn(x, weight, eps, residual)
 
 
-def rotary(q, k, positions, cos_sin_cache):
-    fn = triton_rotary if use_triton(q) else torch_rotary
-    return fn(q, k, positions, cos_sin_cache)
+def rotary(x, cos_sin):
+    fn = triton_rotary if use_triton(x) else torch_rotary
+    return fn(x, cos_sin)
 
 
 def silu_mul(x):
@@ -501,13 +500,16 @@ def triton_rms_norm(x, weight, eps, residual=None):
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, token, stride_t, stride_h, num_heads, cos, sin,
-                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
-    """Neox rotary on one token's [heads, 2 * HALF] rows: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+def _rotary_kernel(x_ptr, out_ptr, cos_sin_ptr, stride_xt, stride_xh, stride_cs, num_heads,
+                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One token's [heads, 2 * HALF] rows: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_PAD)[:, None]
     cols = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < num_heads) & (cols < HALF)
-    x1_ptrs = x_ptr + token * stride_t + heads * stride_h + cols
+    cos = tl.load(cos_sin_ptr + token * stride_cs + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + token * stride_cs + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    x1_ptrs = x_ptr + token * stride_xt + heads * stride_xh + cols
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     out1_ptrs = out_ptr + (token * num_heads + heads) * (2 * HALF) + cols  # out is contiguous
@@ -516,40 +518,20 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_t, stride_h, num_heads, cos, sin
     tl.store(out1_ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
-@triton.jit
-def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, num_heads, num_kv_heads,
-                   HALF: tl.constexpr, Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr,
-                   HALF_PAD: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, HALF_PAD)
-    cos_ptrs = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cs + cols
-    cos = tl.load(cos_ptrs, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cos_ptrs + HALF, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, num_heads, cos, sin,
-                  HALF, Q_HEADS_PAD, HALF_PAD)
-    _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, num_kv_heads, cos, sin,
-                  HALF, K_HEADS_PAD, HALF_PAD)
-
-
-def triton_rotary(q, k, positions, cos_sin_cache):
-    """One program per token rotates all its q and k heads with one cos/sin row (read once).
+def triton_rotary(x, cos_sin):
+    """One program per token rotates all its heads with one cos/sin row (read once).
 
     A [heads, D/2] tile per half; elementwise and tiny, so 4 warps. Math in fp32 (the reference
-    multiplies in q's dtype, so fp16/bf16 results can differ by an ulp).
+    multiplies in x's dtype, so fp16/bf16 results can differ by an ulp).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    assert q.stride(2) == k.stride(2) == cos_sin_cache.stride(1) == 1
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    num_tokens, num_heads, head_dim = x.shape
+    assert x.stride(2) == cos_sin.stride(1) == 1
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens > 0:
         _rotary_kernel[(num_tokens,)](
-            q, k, q_out, k_out, positions, cos_sin_cache, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), cos_sin_cache.stride(0), num_heads, num_kv_heads,
-            HALF=head_dim // 2, Q_HEADS_PAD=_pow2(num_heads), K_HEADS_PAD=_pow2(num_kv_heads),
-            HALF_PAD=_pow2(head_dim // 2), num_warps=4)
-    return q_out, k_out
+            x, out, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), num_heads,
+            HALF=head_dim // 2, HEADS_PAD=_pow2(num_heads), HALF_PAD=_pow2(head_dim // 2), num_warps=4)
+    return out
 
 
 @triton.jit

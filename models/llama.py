@@ -67,15 +67,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
         self.k_cache = self.v_cache = None  # views into the engine's KV pool, set by allocate_kv_cache
 
-    def forward(self, positions, x, cos_sin_cache):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x, cos_sin):
+        qkv = self.qkv_proj(x)
+        heads = (self.num_heads, self.num_kv_heads)
+        # q and k sit side by side in each row of qkv: view them as one [T, Hq + Hkv, D] tensor and
+        # rotate it in one call (half the small ops of rotating q and k apart).
+        q_k = qkv[:, :self.q_size + self.kv_size].view(-1, sum(heads), self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, positions, cos_sin_cache)
-        out = attention(q, k, v.contiguous(), self.k_cache, self.v_cache, self.scale)
+            q, k = q_k.split(heads, dim=1)
+            q_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = rotary(q_k, cos_sin).split(heads, dim=1)
+        out = attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -98,13 +101,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
 
-    def forward(self, positions, x, residual, cos_sin_cache):
+    def forward(self, x, residual, cos_sin):
         # The residual stream is carried separately so each norm can fuse "add residual, then norm".
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, cos_sin_cache)
+        x = self.self_attn(x, cos_sin)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -151,8 +154,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions):
         """Packed tokens [T] at positions [T] -> final-norm hidden states [T, H]."""
         x, residual = self.model.embed_tokens(input_ids), None
+        # Every layer rotates at the same positions: gather their cos/sin rows once per forward,
+        # rounded to the model's dtype as transformers does.
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(x.dtype)
         for layer in self.model.layers:
-            x, residual = layer(positions, x, residual, self.cos_sin_cache)
+            x, residual = layer(x, residual, cos_sin)
         x, _ = self.model.norm(x, residual)
         return x
 

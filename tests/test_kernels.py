@@ -160,9 +160,12 @@ def rope_cache(max_positions, head_dim, base=10000.0):
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 16), (6, 2, 64), (8, 1, 128)])
 def test_rotary(num_heads, num_kv_heads, head_dim, dtype):
     num_tokens = 7
-    q, k, _ = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
+    # As the model does: q and k heads side by side, a strided view into the fused qkv output.
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q_k = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(num_tokens, -1, head_dim)
     positions = torch.randint(0, 300, (num_tokens,), device=DEVICE)
-    assert_triton_matches_torch("rotary", q, k, positions, rope_cache(300, head_dim), dtype=dtype)
+    cos_sin = rope_cache(300, head_dim)[positions].to(dtype)
+    assert_triton_matches_torch("rotary", q_k, cos_sin, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -173,8 +176,7 @@ def test_silu_mul(num_tokens, inter, dtype):
 
 def test_elementwise_ops_on_empty_batch():
     q, k, _ = qkv_views(0, 4, 2, 16, torch.float32)
-    assert [t.shape for t in kernels.triton_rotary(q, k, torch.zeros(0, dtype=torch.long),
-                                                   rope_cache(8, 16))] == [q.shape, k.shape]
+    assert kernels.triton_rotary(q, rope_cache(8, 16)[:0]).shape == q.shape
     assert kernels.triton_rms_norm(randn(0, 32), randn(32), 1e-6).shape == (0, 32)
     assert kernels.triton_silu_mul(randn(0, 64)).shape == (0, 32)
     kernels.triton_store_kv(k, k, randn(2, 4, 2, 16), randn(2, 4, 2, 16),
