@@ -65,7 +65,7 @@ class TorchAttentionGroup:
     tokens: torch.Tensor | None  # [Tg] packed query rows of the group (None: every row, in order)
     blocks: torch.Tensor         # [Bg, ceil(Lg / block_size)] block ids of each context (-1 -> 0)
     max_len: int                 # Lg, the longest context in the group
-    row: torch.Tensor | None     # [Tg] row of each query in the padded [Bg * max_q] layout (None: 1 each)
+    row: torch.Tensor | None     # [Tg] row of each query in the padded [Bg * max_q] layout (None: no padding)
     mask: torch.Tensor | None    # [Bg, 1, max_q, Lg] where queries may attend; None: see is_causal
     max_q: int
     is_causal: bool              # one prompt with nothing cached: SDPA's own causal mask, which skips work
@@ -91,7 +91,8 @@ def _attention_group(seqs, block_tables, starts, q_lens, lens, block_size, whole
     tables = block_tables if whole else block_tables[torch.tensor(seqs, device=device)]
     blocks = tables[:, :-(-max_len // block_size)].clamp_min(0).long()  # padding blocks are masked off
     tokens = None if whole else torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in seqs]).to(device)
-    row = None if max_q == 1 else torch.cat([torch.arange(q_lens[b]) + i * max_q for i, b in enumerate(seqs)]).to(device)
+    uniform = all(q_lens[b] == max_q for b in seqs)  # decode, or verify with one K: no padding needed
+    row = None if uniform else torch.cat([torch.arange(q_lens[b]) + i * max_q for i, b in enumerate(seqs)]).to(device)
     if len(seqs) == 1 and max_q == max_len > 1:  # a whole prompt at once: plain causal attention
         return TorchAttentionGroup(tokens, blocks, max_len, row, None, max_q, is_causal=True)
     # Key l is visible to query j of sequence b iff l <= seq_lens[b] - q_len_b + j.
@@ -116,7 +117,7 @@ def _attend_group(q, k_cache, v_cache, group: TorchAttentionGroup, scale):
 
     k, v = gather(k_cache, group.buffers[0]), gather(v_cache, group.buffers[1])
     if group.row is None:
-        q_pad = q.view(num_seqs, 1, num_heads, head_dim)
+        q_pad = q.view(num_seqs, group.max_q, num_heads, head_dim)
     else:
         q_pad = q.new_zeros(num_seqs * group.max_q, num_heads, head_dim)
         q_pad[group.row] = q

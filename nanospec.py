@@ -116,6 +116,8 @@ def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """[R, V] logits of rows owned by seqs -> float32 probs. Greedy rows become one-hot argmax,
     which makes the rejection sampler reduce exactly to "accept while draft == argmax"."""
     params = [s.params for s in seqs]
+    if all(p.temperature == 0 for p in params):  # an all-greedy batch needs no softmax
+        return one_hot_argmax(logits)
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
     greedy = temperature == 0
     probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
@@ -129,8 +131,12 @@ def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0))
         probs /= probs.sum(-1, keepdim=True)
     if greedy.any():
-        probs[greedy] = torch.nn.functional.one_hot(logits[greedy].argmax(-1), probs.shape[-1]).float()
+        probs[greedy] = one_hot_argmax(logits[greedy])
     return probs
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(logits.shape, device=logits.device).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
 def exp_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor:
