@@ -16,31 +16,38 @@ from models.mlp_speculator import MLPSpeculator
 from nanospec import LLM, SamplingParams
 
 
-def collect(llm: LLM, prompts: list, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Target's greedy continuations and hidden states. Returns (tokens [N], hidden [N, H], trainable [N]):
-    hidden[t] is the state that produced tokens[t+1]; trainable marks generated (not prompt) positions."""
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-    tokens, hidden, trainable = [], [], []
-    for out in outs:
-        ids = out.prompt_token_ids + out.token_ids
-        tokens.append(torch.tensor(ids))
-        hidden.append(llm.hidden_states(ids).float().cpu())
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        mask[len(out.prompt_token_ids) - 1:] = True  # from the state that produced the first output token
-        mask[-1] = False  # the document boundary: no next token to learn here
-        trainable.append(mask)
-    return torch.cat(tokens), torch.cat(hidden), torch.cat(trainable)
+@torch.inference_mode()
+def collect(llm: LLM, prompts: list, max_tokens: int) -> dict:
+    """The target's hidden states and greedy next tokens over each prompt plus its greedy continuation
+    (max_tokens 0: the prompt alone, one prefill, many times cheaper than decoding). Returns tokens [N],
+    hidden [N, H] (bf16), greedy [N] (the target's argmax next token after each position: a label
+    wherever the text is not the target's own) and doc [N] (which sequence each position is in)."""
+    if max_tokens:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+        sequences = [out.prompt_token_ids + out.token_ids for out in outs]
+    else:
+        sequences = [llm.tokenizer.encode(p)[:llm.max_model_len - 1] for p in prompts]
+    data = {"tokens": [], "hidden": [], "greedy": [], "doc": []}
+    for doc, ids in enumerate(sequences):
+        hidden = llm.hidden_states(ids)
+        data["tokens"].append(torch.tensor(ids))
+        data["hidden"].append(hidden.to(torch.bfloat16).cpu())
+        data["greedy"].append(llm.model.lm_head(hidden).argmax(-1).cpu())
+        data["doc"].append(torch.full((len(ids),), doc))
+    return {name: torch.cat(parts) for name, parts in data.items()}
 
 
-def loss_per_head(spec: MLPSpeculator, tokens, hidden, positions) -> list[torch.Tensor]:
-    """Teacher forcing: head i reads the state and token positions[t] + 1 + i, predicts the one after."""
-    state = spec.first_state(hidden[positions])
+def loss_per_head(spec: MLPSpeculator, data: dict, positions) -> list[torch.Tensor]:
+    """Teacher forcing: head i reads the state and the token at positions + 1 + i, and learns the
+    target's greedy token after it. Positions past the end of their sequence are left out."""
+    tokens, doc = data["tokens"], data["doc"]
+    state = spec.first_state(data["hidden"][positions].float())
     losses = []
     for i in range(spec.n_predict):
-        inputs, targets = positions + 1 + i, positions + 2 + i
-        valid = targets < len(tokens)
-        state, logits = spec.step(i, state, tokens[inputs.clamp(max=len(tokens) - 1)])
-        losses.append(F.cross_entropy(logits[valid], tokens[targets[valid]]))
+        inputs = (positions + 1 + i).clamp(max=len(tokens) - 1)
+        valid = doc[inputs] == doc[positions]
+        state, logits = spec.step(i, state, tokens[inputs])
+        losses.append(F.cross_entropy(logits[valid], data["greedy"][inputs[valid]]))
     return losses
 
 
@@ -112,12 +119,15 @@ def train(args):
     if os.path.exists(data_file):  # resumable: the collected data is reused
         data = load_file(data_file)
     else:
-        prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
-        tokens, hidden, trainable = collect(llm, prompts, args.max_tokens)
-        data = {"tokens": tokens, "hidden": hidden, "trainable": trainable}
+        generated = collect(llm, read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None], args.max_tokens)
+        read = collect(llm, read_prompts(args.texts, llm.tokenizer)[:args.max_texts or None], 0) if args.texts else None
+        data = generated if read is None else \
+            {name: torch.cat([generated[name], read[name] + (len(generated["tokens"]) if name == "doc" else 0)])
+             for name in generated}
         os.makedirs(args.out, exist_ok=True)
         save_file(data, data_file)
-    tokens, hidden, positions = data["tokens"], data["hidden"], data["trainable"].nonzero().flatten()
+    # Every position whose next token is in the same sequence is a training example.
+    positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()
     optimizer = torch.optim.AdamW([p for p in spec.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     step = resume(spec, args.out, optimizer)
     generator = torch.Generator().manual_seed(args.seed + step)
@@ -125,7 +135,9 @@ def train(args):
         task = progress.add_task("training", total=args.steps, completed=step)
         while step < args.steps:
             batch = positions[torch.randint(len(positions), (args.batch_size,), generator=generator)]
-            losses = loss_per_head(spec, tokens, hidden, batch)
+            # bf16 matmuls (AMX on CPUs that have it) for the big vocabulary heads; weights stay fp32.
+            with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+                losses = loss_per_head(spec, data, batch)
             optimizer.zero_grad()
             sum(losses).backward()
             optimizer.step()
@@ -143,13 +155,18 @@ def parse_args(argv=None):
     p.add_argument("--prompts", nargs="+", default=["stdlib"],
                    help="JSONL files and/or 'stdlib' (never 'grounded': bench.py holds it apart)")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
+    p.add_argument("--texts", nargs="*", default=["docs"],
+                   help="JSONL files and/or built-in workloads read without generating (labels: the target's "
+                        "own next-token argmax); 'docs' = standard-library docstrings")
+    p.add_argument("--max-texts", type=int, default=0, help="use only the first N texts (0: all)")
     p.add_argument("--n-predict", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=128, help="target continuation length per prompt")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--dtype", default="bfloat16", help="dtype of the target while collecting data")
+    p.add_argument("--dtype", default="bfloat16",
+                   help="dtype of the target while collecting data (bfloat16 also autocasts the training matmuls)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

@@ -16,8 +16,9 @@ def test_training_lowers_loss_and_checkpoint_runs(tmp_path):
     workload.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
                                 ["hello there", "the cat sat on the mat", "one two three", "abc abc abc"]))
     out = tmp_path / "spec"
-    common = ["--model", str(target), "--out", str(out), "--prompts", str(workload), "--n-predict", "3",
-              "--max-tokens", "48", "--batch-size", "64", "--lr", "3e-3", "--dtype", "float32", "--save-every", "10"]
+    common = ["--model", str(target), "--out", str(out), "--prompts", str(workload), "--texts", str(workload),
+              "--n-predict", "3", "--max-tokens", "48", "--batch-size", "64", "--lr", "3e-3", "--dtype", "float32",
+              "--save-every", "10"]
     first = train(parse_args(common + ["--steps", "1"]))
     last = train(parse_args(common + ["--steps", "60"]))  # resumes at step 1 with the saved data
     assert json.loads((out / "train_state.json").read_text())["step"] == 60
@@ -28,3 +29,22 @@ def test_training_lowers_loss_and_checkpoint_runs(tmp_path):
     outs = spec.generate(prompts(6), GREEDY, use_progress=False)
     assert [o.token_ids for o in outs] == expected
     assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+def test_collected_labels_are_the_targets_own_next_tokens(tmp_path):
+    """Where the target generated the text itself, its greedy label after position t is token t+1;
+    `doc` separates sequences so no example crosses from one into the next."""
+    from train_speculator import collect
+    tiny.write_checkpoint(tmp_path, tiny.llama_like())
+    tiny.write_char_tokenizer(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=64)
+    prompts = ["hello there", "one two three"]
+    data = collect(llm, prompts, max_tokens=8)
+    assert data["hidden"].shape == (len(data["tokens"]), llm.model.hidden_size)
+    for doc, prompt in enumerate(prompts):
+        where = (data["doc"] == doc).nonzero().flatten()
+        assert len(llm.tokenizer.encode(prompt)) < len(where) <= len(llm.tokenizer.encode(prompt)) + 8
+        generated = where[len(llm.tokenizer.encode(prompt)) - 1:-1]  # positions whose next token was generated
+        assert data["greedy"][generated].tolist() == data["tokens"][generated + 1].tolist()
+    read = collect(llm, prompts, max_tokens=0)
+    assert len(read["tokens"]) == sum(len(llm.tokenizer.encode(p)) for p in prompts)
