@@ -1,6 +1,7 @@
 # Train an MLP speculator for a target model by self-distillation (arXiv 2404.19124): the target
-# greedily continues a set of prompts, we record its final-norm hidden states, and the heads learn
-# to predict the target's own next tokens. Writes an ibm-fms layout checkpoint (--draft mlp:DIR).
+# greedily continues a set of prompts (and reads more texts without continuing them), we record its
+# final-norm hidden states and its greedy next token at every position, and the heads learn to predict
+# the target's own next tokens. Writes an ibm-fms layout checkpoint (--draft mlp:DIR).
 # It must never train on the prompts it is later evaluated on: pass held-apart prompts to bench.py.
 import argparse
 import json
@@ -119,11 +120,11 @@ def train(args):
     if os.path.exists(data_file):  # resumable: the collected data is reused
         data = load_file(data_file)
     else:
-        generated = collect(llm, read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None], args.max_tokens)
-        read = collect(llm, read_prompts(args.texts, llm.tokenizer)[:args.max_texts or None], 0) if args.texts else None
-        data = generated if read is None else \
-            {name: torch.cat([generated[name], read[name] + (len(generated["tokens"]) if name == "doc" else 0)])
-             for name in generated}
+        data = collect(llm, read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None], args.max_tokens)
+        if args.texts:  # read-only texts follow the generated ones, as further sequences
+            read = collect(llm, read_prompts(args.texts, llm.tokenizer)[:args.max_texts or None], 0)
+            read["doc"] += int(data["doc"][-1]) + 1
+            data = {name: torch.cat([data[name], read[name]]) for name in data}
         os.makedirs(args.out, exist_ok=True)
         save_file(data, data_file)
     # Every position whose next token is in the same sequence is a training example.
@@ -155,7 +156,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts", nargs="+", default=["stdlib"],
                    help="JSONL files and/or 'stdlib' (never 'grounded': bench.py holds it apart)")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
-    p.add_argument("--texts", nargs="*", default=["docs"],
+    p.add_argument("--texts", nargs="*", default=[],
                    help="JSONL files and/or built-in workloads read without generating (labels: the target's "
                         "own next-token argmax); 'docs' = standard-library docstrings")
     p.add_argument("--max-texts", type=int, default=0, help="use only the first N texts (0: all)")
