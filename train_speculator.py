@@ -123,7 +123,7 @@ def train(args):
         data = collect(llm, read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None], args.max_tokens)
         if args.texts:  # read-only texts follow the generated ones, as further sequences
             read = collect(llm, read_prompts(args.texts, llm.tokenizer)[:args.max_texts or None], 0)
-            read["doc"] += int(data["doc"][-1]) + 1
+            read["doc"] = read["doc"] + int(data["doc"][-1]) + 1
             data = {name: torch.cat([data[name], read[name]]) for name in data}
         os.makedirs(args.out, exist_ok=True)
         save_file(data, data_file)
