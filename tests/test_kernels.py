@@ -132,6 +132,18 @@ def test_paged_attention(batch, kv_segments, block_size, num_heads, num_kv_heads
     assert_triton_matches_torch("paged_attention", *args, dtype=dtype)
 
 
+def test_torch_attention_splits_spread_contexts_without_changing_results(monkeypatch):
+    """Short queries over very different context lengths are attended in several padded calls."""
+    seqs = [(8, 1), (150, 1), (12, 3), (140, 1), (10, 1), (160, 5), (9, 1), (145, 3), (11, 1), (155, 1)]
+    args = make_paged_batch(seqs, 4, 6, 2, 16, torch.float32)
+    q, k_cache, _, block_tables, seq_lens, query_start_loc = args[:6]
+    assert len(kernels.torch_attention_plan(q, k_cache, block_tables, seq_lens, query_start_loc)) > 1
+    assert_triton_matches_torch("paged_attention", *args, dtype=torch.float32)
+    split = kernels.torch_paged_attention(*args)
+    monkeypatch.setattr(kernels, "split_by_length", lambda seqs, lens: [seqs])
+    torch.testing.assert_close(split, kernels.torch_paged_attention(*args))
+
+
 def test_paged_attention_empty_batch():
     args = make_paged_batch([(5, 0), (9, 0)], 4, 2, 2, 16, torch.float32)
     assert kernels.triton_paged_attention(*args).shape == (0, 2, 16)
