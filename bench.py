@@ -84,8 +84,8 @@ def docs_workload() -> list[str]:
                 module = importlib.import_module(module_name)
             except Exception:  # platform-specific or broken on this machine
                 continue
-        defined_here = lambda m: (inspect.isclass(m) or inspect.isfunction(m)) and m.__module__ == module_name  # noqa: E731
-        members = [module] + [m for _, m in inspect.getmembers(module, defined_here)]
+        members = [module] + [m for _, m in inspect.getmembers(module, inspect.isclass) + inspect.getmembers(
+            module, inspect.isfunction) if m.__module__ == module_name]  # defined here, not imported
         for member in members:
             doc = inspect.getdoc(member) or ""
             if len(doc) >= 300:
