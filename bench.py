@@ -278,10 +278,9 @@ def bench_kernels():
     tokens, hidden, heads = 4096, 4096, 32
     x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
     w = torch.randn(hidden, device=dev, dtype=dtype)
-    q = torch.randn(tokens, heads, head_dim, device=dev, dtype=dtype)
-    k = torch.randn(tokens, num_kv, head_dim, device=dev, dtype=dtype)
-    positions = torch.arange(tokens, device=dev)
-    cos_sin = torch.randn(tokens, head_dim, device=dev)
+    q_k = torch.randn(tokens, heads + num_kv, head_dim, device=dev, dtype=dtype)  # a layer's q and k heads
+    k = q_k[:, heads:]
+    cos_sin = torch.randn(tokens, head_dim, device=dev, dtype=dtype)
     k_cache = torch.zeros(tokens // block_size, block_size, num_kv, head_dim, device=dev, dtype=dtype)
     slots = torch.randperm(tokens, device=dev)
     vocab, k_max, batch = 128 * 1024, 4, 64
@@ -290,7 +289,7 @@ def bench_kernels():
                    torch.full((batch,), k_max, device=dev), torch.rand(batch, k_max, device=dev),
                    torch.empty(batch, vocab, device=dev).exponential_())
     cases = [("rms_norm", (x, w, 1e-6), 2 * x.nbytes), ("silu_mul", (x,), 1.5 * x.nbytes),
-             ("rotary", (q, k, positions, cos_sin), 2 * (q.nbytes + k.nbytes)),
+             ("rotary", (q_k, cos_sin), 2 * q_k.nbytes),
              ("store_kv", (k, k, k_cache, k_cache.clone(), slots), 4 * k.nbytes),
              ("rejection_sample", sample_args, 2 * probs.nbytes)]
     for name, args, nbytes in cases:
