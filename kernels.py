@@ -70,6 +70,7 @@ class TorchAttentionGroup:
     #                              -inf elsewhere; None: no mask, or see is_causal
     max_q: int
     is_causal: bool              # one prompt with nothing cached: SDPA's own causal mask, which skips work
+    first_block: int | None = None  # one sequence on consecutive block ids: its context is a slice, no gather
     # Gather buffers reused by every layer: a fresh multi-MB tensor per layer costs page faults.
     buffers: list = field(default_factory=list)
 
@@ -112,19 +113,27 @@ def _attention_group(seqs, block_tables, starts, q_lens, lens, block_size, group
     tokens = None if whole else torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in seqs]).to(device)
     uniform = all(q_lens[b] == max_q for b in seqs)  # decode, or verify with one K: no padding needed
     row = None if uniform else torch.cat([torch.arange(q_lens[b]) + i * max_q for i, b in enumerate(seqs)]).to(device)
+    first_block = consecutive_start(blocks[0]) if len(seqs) == 1 else None
     if len(seqs) == 1 and max_q == max_len > 1:  # a whole prompt at once: plain causal attention
-        return TorchAttentionGroup(tokens, blocks, max_len, row, None, max_q, is_causal=True)
+        return TorchAttentionGroup(tokens, blocks, max_len, row, None, max_q, True, first_block)
     # Key l is visible to query j of sequence b iff l <= seq_lens[b] - q_len_b + j.
     first_pos = torch.tensor([lens[b] - q_lens[b] for b in seqs], device=device)
     query_pos = first_pos[:, None] + torch.arange(max_q, device=device)
     mask = torch.arange(max_len, device=device)[None, None, :] <= query_pos[:, :, None]
     if bool(mask.all()):
-        return TorchAttentionGroup(tokens, blocks, max_len, row, None, max_q, is_causal=False)
+        return TorchAttentionGroup(tokens, blocks, max_len, row, None, max_q, False, first_block)
     if folds_heads(max_q, group_size):  # row g * max_q + j of the folded layout is query j
         mask = mask.repeat(1, group_size, 1)
     # Additive, in the queries' dtype: SDPA would otherwise convert a boolean mask in every layer.
     additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
-    return TorchAttentionGroup(tokens, blocks, max_len, row, additive[:, None], max_q, is_causal=False)
+    return TorchAttentionGroup(tokens, blocks, max_len, row, additive[:, None], max_q, False, first_block)
+
+
+def consecutive_start(block_ids: torch.Tensor) -> int | None:
+    """The first id if block_ids run consecutively (the usual case for a lone sequence: the block
+    manager hands out low ids first), else None."""
+    first = int(block_ids[0])
+    return first if bool((block_ids == torch.arange(first, first + len(block_ids))).all()) else None
 
 
 def folds_heads(max_q: int, group_size: int) -> bool:
@@ -139,15 +148,18 @@ def _attend_group(q, k_cache, v_cache, group: TorchAttentionGroup, scale):
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = group.blocks.shape[0]
 
-    if not group.buffers:
+    if not group.buffers and group.first_block is None:
         shape = (group.blocks.numel(), *k_cache.shape[1:])
         group.buffers = [k_cache.new_empty(shape), v_cache.new_empty(shape)]
 
-    def gather(cache, out):  # whole blocks at a time: far faster than gathering single slots on CPU
-        torch.index_select(cache, 0, group.blocks.flatten(), out=out)
+    def gather(cache, which):
+        if group.first_block is not None:  # consecutive blocks: the context is a view, nothing copied
+            out = cache[group.first_block:group.first_block + group.blocks.shape[1]]
+        else:  # whole blocks at a time: far faster than gathering single slots on CPU
+            out = torch.index_select(cache, 0, group.blocks.flatten(), out=group.buffers[which])
         return out.view(num_seqs, -1, *cache.shape[2:])[:, :group.max_len].transpose(1, 2)
 
-    k, v = gather(k_cache, group.buffers[0]), gather(v_cache, group.buffers[1])
+    k, v = gather(k_cache, 0), gather(v_cache, 1)
     if group.row is None:
         q_pad = q.view(num_seqs, group.max_q, num_heads, head_dim)
     else:

@@ -1,10 +1,11 @@
 # End-to-end engine behaviour on tiny random models: greedy output equals transformers, speculation
 # never changes greedy output (every proposer, K, batch size, block size, preemption), stops, seeds.
+import numpy as np
 import pytest
 import torch
 
 import tiny
-from nanospec import LLM, SamplingParams
+from nanospec import LLM, NgramProposer, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -74,6 +75,19 @@ def test_speculation_keeps_greedy_output(proposer, k, target, drafts, plain_outp
             assert accepted == drafted
     if proposer == "ngram":
         assert accepted > 0
+
+
+def test_ngram_lookup_takes_longest_suffix_first_occurrence():
+    proposer = NgramProposer(1, 3)
+    # The suffix "4 2" occurs at 0 and at 4: the first occurrence's continuation is proposed, up to k.
+    assert proposer.lookup(np.array([4, 2, 9, 9, 4, 2, 7, 4, 2]), 3) == [9, 9, 4]
+    # A longer match wins over an earlier shorter one: "8 4 2" only at 3 (plain "4 2" first at 0).
+    assert proposer.lookup(np.array([4, 2, 5, 8, 4, 2, 6, 8, 4, 2]), 2) == [6, 8]
+    # The proposal stops where the text ends; no match at all proposes nothing.
+    assert proposer.lookup(np.array([3, 4, 9, 3, 4]), 5) == [9, 3, 4]
+    assert proposer.lookup(np.array([1, 2, 3]), 4) == []
+    with pytest.raises(ValueError, match="ngram"):
+        NgramProposer(2, 1)
 
 
 def test_mixed_per_request_k(target, drafts, plain_outputs):

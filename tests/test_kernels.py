@@ -144,6 +144,21 @@ def test_torch_attention_splits_spread_contexts_without_changing_results(monkeyp
     torch.testing.assert_close(split, kernels.torch_paged_attention(*args))
 
 
+@pytest.mark.parametrize("seq", [(45, 1), (45, 5), (45, 45), (44, 20)])  # decode, verify, prompt, chunk
+def test_torch_attention_reads_consecutive_blocks_in_place(seq, monkeypatch):
+    """A lone sequence on consecutive block ids attends over a view of the cache (no gather)."""
+    args = list(make_paged_batch([seq], 4, 6, 2, 16, torch.float32))
+    num_blocks = -(-seq[0] // 4)
+    args[3][0, :num_blocks] = torch.arange(1, 1 + num_blocks)  # blocks 1..n of the pool, in order
+    q, k_cache, _, block_tables, seq_lens, query_start_loc = args[:6]
+    [group] = kernels.torch_attention_plan(q, k_cache, block_tables, seq_lens, query_start_loc)
+    assert group.first_block == 1
+    assert_triton_matches_torch("paged_attention", *args, dtype=torch.float32)
+    in_place = kernels.torch_paged_attention(*args)
+    monkeypatch.setattr(kernels, "consecutive_start", lambda block_ids: None)
+    torch.testing.assert_close(in_place, kernels.torch_paged_attention(*args))
+
+
 def test_paged_attention_empty_batch():
     args = make_paged_batch([(5, 0), (9, 0)], 4, 2, 2, 16, torch.float32)
     assert kernels.triton_paged_attention(*args).shape == (0, 2, 16)
