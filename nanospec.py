@@ -136,7 +136,7 @@ def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(logits.shape, device=logits.device).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.zeros(logits.shape, device=logits.device).scatter_(-1, logits.max(-1, keepdim=True).indices, 1.0)
 
 
 def exp_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor:
@@ -149,6 +149,23 @@ def exp_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return (probs / exp_noise(seqs, probs.shape[-1], probs.device)).argmax(-1)
+
+
+def accept_greedy(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The rejection sampler when every target distribution is one-hot at its argmax: accept drafts
+    while they equal the argmax, then emit the argmax after the last accepted one (the recovered or
+    the bonus token). Same result, without building [rows, vocab] probabilities (about 3 ms a K=8
+    step on the default model)."""
+    best = logits.max(-1).indices.tolist()  # the step's one host sync; max: 2x faster than bf16 argmax
+    num_accepted, next_tokens, row = [], [], 0
+    for it in sampling:
+        n = 0
+        while n < len(it.drafts) and it.drafts[n] == best[row + n]:
+            n += 1
+        num_accepted.append(n)
+        next_tokens.append(best[row + n])
+        row += len(it.drafts) + 1
+    return num_accepted, next_tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,6 +537,8 @@ class LLMEngine:
 
     def accept(self, sampling: list[ScheduledSeq], logits: torch.Tensor):
         """Rejection sampling over the padded batch -> (num_accepted, next_token) per sequence."""
+        if all(it.seq.params.temperature == 0 for it in sampling):
+            return accept_greedy(sampling, logits)
         max_k = max(len(it.drafts) for it in sampling)
         vocab = logits.shape[-1]
         seqs_per_row = [it.seq for it in sampling for _ in range(len(it.drafts) + 1)]

@@ -2,11 +2,13 @@
 # stochastic and one-hot drafts, at the first position, at recovered positions and at the bonus.
 # Each test can fail: it compares sampled frequencies with the exact distribution (chi-square and
 # total variation against random reference distributions).
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kernels import torch_rejection_sample
-from nanospec import SamplingParams, Sequence, logits_to_probs
+from nanospec import SamplingParams, Sequence, accept_greedy, logits_to_probs
 
 V, LENGTH = 5, 3  # vocabulary, and how many tokens each simulated generation keeps
 
@@ -119,6 +121,12 @@ def test_greedy_reduces_to_argmax_matching():
         n, tok = torch_rejection_sample(greedy, torch.tensor([drafts]), None, torch.tensor([2]),
                                         torch.rand(1, 2), torch.ones(1, 3))
         assert (n.item(), tok.item()) == expected
+    # The engine's greedy shortcut gives the same answers, for a batch whose rows have different K.
+    cases = (([1, 0], (2, 2)), ([1, 2], (1, 0)), ([0, 0], (0, 1)), ([1], (1, 0)), ([], (0, 1)))
+    items = [SimpleNamespace(drafts=drafts) for drafts, _ in cases]
+    logits = torch.cat([p[0, :len(drafts) + 1].log() for drafts, _ in cases])
+    num_accepted, next_tokens = accept_greedy(items, logits)
+    assert list(zip(num_accepted, next_tokens)) == [expected for _, expected in cases]
 
 
 def test_top_k_top_p_and_temperature_masks():
