@@ -31,9 +31,9 @@ test: install
 bench: install
 	$(BIN)/python bench.py --draft none,ngram --num-spec-tokens 4,auto --batch-sizes 1,4,16
 
-# Self-distil an MLP speculator for the default model from offline prompts (the standard library's code).
+# Self-distil an MLP speculator for the default model from offline prompts (bench.py's general chat requests).
 speculator: install
-	$(BIN)/python train_speculator.py --out $(SPECULATOR) --prompts stdlib
+	$(BIN)/python train_speculator.py --out $(SPECULATOR) --prompts chat
 
 clean:
 	rm -rf $(VENV)

@@ -93,8 +93,34 @@ def docs_workload() -> list[str]:
     return prompts
 
 
+# General-assistant requests for train_speculator.py: topics x kinds of task, written for nanospec so a
+# speculator can learn the target's chat answers offline. MT-bench stays held apart for evaluation.
+CHAT_TOPICS = ["photosynthesis", "the French Revolution", "machine learning", "climate change", "black holes",
+               "the stock market", "healthy eating", "remote work", "electric cars", "the Roman Empire",
+               "social media", "vaccines", "solar power", "the human brain", "volcanoes", "coffee", "chess",
+               "jazz", "ancient Egypt", "quantum computers", "recycling", "time management", "public speaking",
+               "gardening", "the water cycle", "democracy", "the internet", "sleep", "meditation", "dinosaurs",
+               "the Moon landing", "friendship", "city planning", "coral reefs", "the Renaissance", "inflation",
+               "earthquakes", "video games", "bees", "the printing press", "running a marathon", "learning a language",
+               "saving money", "the Olympic Games", "rainforests", "space travel", "Shakespeare", "smartphones",
+               "honey", "the immune system", "a small bakery", "job interviews", "volunteering", "the ocean",
+               "trains", "mountains", "music lessons", "a rainy day", "robots", "the history of maps"]
+CHAT_TASKS = ["Write a short story about {}.", "Explain {} to a ten-year-old.", "What are the pros and cons of {}?",
+              "Write a poem about {}.", "Give me five practical tips related to {}.", "Write a blog post about {}.",
+              "Describe the history of {} in three paragraphs.", "Write a persuasive speech about {}.",
+              "Create a quiz with three questions about {}, with answers.", "Summarize what everyone should know about {}.",
+              "Write a dialogue between a teacher and a student about {}.", "Write a product description inspired by {}."]
+
+
+def chat_workload() -> list[str]:
+    """Training prompts for train_speculator.py: every topic with every kind of task, in an order where
+    any 60 consecutive prompts cover every topic and every task (prompt i: topic i % 60, task (i + i // 60) % 12)."""
+    n = len(CHAT_TOPICS)
+    return [CHAT_TASKS[(i + i // n) % len(CHAT_TASKS)].format(CHAT_TOPICS[i % n]) for i in range(n * len(CHAT_TASKS))]
+
+
 def read_workload(spec: str) -> list[str]:
-    builtin = {"grounded": grounded_workload, "stdlib": stdlib_workload, "docs": docs_workload}
+    builtin = {"grounded": grounded_workload, "stdlib": stdlib_workload, "docs": docs_workload, "chat": chat_workload}
     if spec in builtin:
         return builtin[spec]()
     with open(spec) as f:
@@ -169,7 +195,7 @@ def parse_args(argv=None):
     p.add_argument("--draft", default="none,ngram", help="comma list of: none, ngram, PATH, mlp:PATH")
     p.add_argument("--num-spec-tokens", default="4", help="comma list of K values and/or 'auto'")
     p.add_argument("--batch-sizes", default="1,4,16")
-    p.add_argument("--workload", default="grounded", help="'grounded', 'stdlib' (built in) or a JSONL file")
+    p.add_argument("--workload", default="grounded", help="'grounded', 'stdlib', 'docs', 'chat' (built in) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per run (default: the batch size)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
     p.add_argument("--max-tokens", type=int, default=128)

@@ -17,6 +17,9 @@ from models.mlp_speculator import MLPSpeculator
 from nanospec import LLM, SamplingParams
 
 
+HEAD_LR_SCALE = 0.1  # the pretrained vocabulary head moves ten times slower than the new projections
+
+
 @torch.inference_mode()
 def collect(llm: LLM, prompts: list, max_tokens: int) -> dict:
     """The target's hidden states and greedy next tokens over each prompt plus its greedy continuation
@@ -54,7 +57,9 @@ def loss_per_head(spec: MLPSpeculator, data: dict, positions) -> list[torch.Tens
 
 def new_speculator(target_path: str, n_predict: int) -> tuple[MLPSpeculator, dict]:
     """Tied heads, inner_dim = hidden size; emb and head start from the target's own embeddings and
-    lm_head (and stay frozen), so only the small projections and norms are trained."""
+    lm_head. The embedding stays frozen. The head is fine-tuned (slowly, HEAD_LR_SCALE): it reads
+    GELU outputs, which are never below -0.17, where the target's lm_head reads signed hidden states
+    (frozen, the chat recipe's losses per head were 3.75 4.26 4.66; fine-tuned, 2.69 3.02 3.27)."""
     target, _ = load_model(target_path, torch.float32)  # plain fp32 weights (the engine's may be prepacked)
     config = dict(model_type="mlp_speculator", architectures=["MLPSpeculatorPreTrainedModel"],
                   emb_dim=target.hidden_size, inner_dim=0, n_predict=n_predict, vocab_size=target.vocab_size,
@@ -71,7 +76,6 @@ def new_speculator(target_path: str, n_predict: int) -> tuple[MLPSpeculator, dic
         spec.emb[0].weight.copy_(embed.float())
         spec.head[0].weight.copy_(head.float())
     spec.emb[0].weight.requires_grad_(False)
-    spec.head[0].weight.requires_grad_(False)
     return spec, config
 
 
@@ -129,7 +133,10 @@ def train(args):
         save_file(data, data_file)
     # Every position whose next token is in the same sequence is a training example.
     positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()
-    optimizer = torch.optim.AdamW([p for p in spec.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    head = spec.head[0].weight
+    small = [p for p in spec.parameters() if p.requires_grad and p is not head]
+    optimizer = torch.optim.AdamW([{"params": small}, {"params": [head], "lr": args.lr * HEAD_LR_SCALE}],
+                                  lr=args.lr, weight_decay=0.0)
     step = resume(spec, args.out, optimizer)
     generator = torch.Generator().manual_seed(args.seed + step)
     with Progress() as progress:
@@ -153,8 +160,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="train an MLP speculator by self-distillation")
     p.add_argument("--model", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder (config.json + model.safetensors)")
-    p.add_argument("--prompts", nargs="+", default=["stdlib"],
-                   help="JSONL files and/or 'stdlib' (never 'grounded': bench.py holds it apart)")
+    p.add_argument("--prompts", nargs="+", default=["chat"],
+                   help="JSONL files and/or built-in workloads: 'chat' (general requests), 'stdlib' (code); "
+                        "never 'grounded' or MT-bench, which bench.py holds apart for evaluation")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--texts", nargs="*", default=[],
                    help="JSONL files and/or built-in workloads read without generating (labels: the target's "

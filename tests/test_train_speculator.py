@@ -2,6 +2,9 @@
 # saved step, and the checkpoint loads through --draft mlp:PATH with greedy equality intact.
 import json
 
+import torch
+from safetensors.torch import load_file
+
 import tiny
 from nanospec import LLM, SamplingParams
 from test_engine import GREEDY, prompts
@@ -23,6 +26,12 @@ def test_training_lowers_loss_and_checkpoint_runs(tmp_path):
     last = train(parse_args(common + ["--steps", "60"]))  # resumes at step 1 with the saved data
     assert json.loads((out / "train_state.json").read_text())["step"] == 60
     assert sum(last) < 0.8 * sum(first)
+    # The embedding stays the target's; the vocabulary head is fine-tuned from the target's lm_head.
+    weights, target_weights = load_file(out / "model.safetensors"), load_file(target / "model.safetensors")
+    head = target_weights.get("lm_head.weight", target_weights["model.embed_tokens.weight"])
+    assert torch.equal(weights["speculator.emb.0.weight"], target_weights["model.embed_tokens.weight"])
+    assert not torch.equal(weights["speculator.head.0.weight"], head)
+    assert torch.allclose(weights["speculator.head.0.weight"], head, atol=0.1)
     plain = LLM(str(target), dtype="float32", block_size=2, num_blocks=128)
     spec = LLM(str(target), dtype="float32", block_size=2, num_blocks=128, draft=f"mlp:{out}", num_spec_tokens=3)
     expected = [o.token_ids for o in plain.generate(prompts(6), GREEDY, use_progress=False)]
