@@ -113,20 +113,25 @@ def _attention_group(seqs, block_tables, starts, q_lens, lens, block_size, group
     tokens = None if whole else torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in seqs]).to(device)
     uniform = all(q_lens[b] == max_q for b in seqs)  # decode, or verify with one K: no padding needed
     row = None if uniform else torch.cat([torch.arange(q_lens[b]) + i * max_q for i, b in enumerate(seqs)]).to(device)
+    is_causal = len(seqs) == 1 and max_q == max_len > 1  # a whole prompt at once: SDPA's own causal mask
+    mask = None if is_causal else _additive_mask([lens[b] - q_lens[b] for b in seqs], max_q, max_len,
+                                                 group_size, dtype, device)
     first_block = consecutive_start(blocks[0]) if len(seqs) == 1 else None
-    if len(seqs) == 1 and max_q == max_len > 1:  # a whole prompt at once: plain causal attention
-        return TorchAttentionGroup(tokens, blocks, max_len, row, None, max_q, True, first_block)
-    # Key l is visible to query j of sequence b iff l <= seq_lens[b] - q_len_b + j.
-    first_pos = torch.tensor([lens[b] - q_lens[b] for b in seqs], device=device)
-    query_pos = first_pos[:, None] + torch.arange(max_q, device=device)
+    return TorchAttentionGroup(tokens, blocks, max_len, row, mask, max_q, is_causal, first_block)
+
+
+def _additive_mask(first_pos: list[int], max_q, max_len, group_size, dtype, device) -> torch.Tensor | None:
+    """Key l is visible to query j of a sequence whose queries start at first_pos iff l <= first_pos + j.
+    Returns [Bg, 1, max_q (x group_size if folded), Lg], 0 where visible and -inf elsewhere, or None
+    when every query sees every key."""
+    query_pos = torch.tensor(first_pos, device=device)[:, None] + torch.arange(max_q, device=device)
     mask = torch.arange(max_len, device=device)[None, None, :] <= query_pos[:, :, None]
     if bool(mask.all()):
-        return TorchAttentionGroup(tokens, blocks, max_len, row, None, max_q, False, first_block)
+        return None
     if folds_heads(max_q, group_size):  # row g * max_q + j of the folded layout is query j
         mask = mask.repeat(1, group_size, 1)
     # Additive, in the queries' dtype: SDPA would otherwise convert a boolean mask in every layer.
-    additive = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
-    return TorchAttentionGroup(tokens, blocks, max_len, row, additive[:, None], max_q, False, first_block)
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))[:, None]
 
 
 def consecutive_start(block_ids: torch.Tensor) -> int | None:
