@@ -2,8 +2,13 @@
 # SiLU-and-mul, and the rejection-sampling steps. Each op has a plain-torch reference (`torch_*`) and,
 # where it pays on a GPU, a Triton kernel (`triton_*`) with the same signature; one public function per
 # op picks. Never pick Triton for a CPU tensor unless forced (tests under TRITON_INTERPRET=1).
+import ctypes
+import hashlib
 import os
+import subprocess
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +48,76 @@ def set_context(ctx: AttentionContext | None):
 def get_context() -> AttentionContext:
     assert _context is not None, "attention called outside an engine step (no AttentionContext set)"
     return _context
+
+
+# ---------------------------------------------------------------------------------------------
+# C kernels for bf16 on the CPU (cpu_kernels.c): compiled on first use with the system's C compiler
+# into the cache dir, called through ctypes. Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the
+# torch references below run instead.
+# ---------------------------------------------------------------------------------------------
+def _load_cpu_kernels():
+    if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0":
+        return None
+    source = Path(__file__).with_name("cpu_kernels.c")
+    if not source.exists():  # a non-editable install ships the Python modules only
+        return None
+    cache = Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
+    library = cache / f"cpu_kernels-{hashlib.sha1(source.read_bytes()).hexdigest()[:12]}.so"
+    if not library.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")  # rename: concurrent builds never see half a file
+        command = [os.environ.get("CC", "cc"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+                   str(source), "-o", str(partial)]
+        try:
+            subprocess.run(command, check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError) as error:
+            warnings.warn(f"nanospec: could not build {source.name} ({error}); using the torch CPU path")
+            return None
+        partial.rename(library)
+    lib = ctypes.CDLL(str(library))
+    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
+    lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [ctypes.c_int64]
+    return lib
+
+
+_cpu_lib = "not loaded"
+
+
+def cpu_kernels():
+    """The compiled C kernels, or None; built and loaded on first call."""
+    global _cpu_lib
+    if _cpu_lib == "not loaded":
+        _cpu_lib = _load_cpu_kernels()
+    return _cpu_lib
+
+
+def use_c(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and not FORCE_TRITON and cpu_kernels() is not None
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def c_rms_norm(x, weight, eps, residual=None):
+    """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (bf16, CPU)."""
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    out = torch.empty_like(x)
+    residual_out = None if residual is None else torch.empty_like(x)
+    cpu_kernels().rms_norm(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), _ptr(residual_out),
+                           x.numel() // x.shape[-1], x.shape[-1], eps)
+    return out if residual is None else (out, residual_out)
+
+
+def c_rotary(x, cos_sin):
+    """cpu_kernels.c's rotary; same contract as torch_rotary (bf16, CPU)."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    out = x.new_empty(x.shape)
+    cpu_kernels().rotary(_ptr(x), _ptr(cos_sin.contiguous()), _ptr(out), *x.shape, x.stride(0))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,12 +344,12 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def rms_norm(x, weight, eps, residual=None):
-    fn = triton_rms_norm if use_triton(x) else torch_rms_norm
+    fn = triton_rms_norm if use_triton(x) else c_rms_norm if use_c(x) and weight.dtype == x.dtype else torch_rms_norm
     return fn(x, weight, eps, residual)
 
 
 def rotary(x, cos_sin):
-    fn = triton_rotary if use_triton(x) else torch_rotary
+    fn = triton_rotary if use_triton(x) else c_rotary if use_c(x) and cos_sin.dtype == x.dtype else torch_rotary
     return fn(x, cos_sin)
 
 

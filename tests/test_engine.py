@@ -168,3 +168,18 @@ def test_acceptance_per_position_pools_requests(target, drafts):
         assert rate == pytest.approx(accepted / drafted)
     steps = sum(o.num_spec_steps for o in outs)
     assert pooled and sum(o.drafted_per_position.get(0, 0) for o in outs) <= steps
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "self"])
+def test_bf16_c_kernels_give_the_torch_paths_greedy_output(target, drafts, monkeypatch, draft):
+    """In bf16 on the CPU the engine runs cpu_kernels.c's RMSNorm and rotary; greedy tokens must equal
+    the torch path's, with and without speculation, in a batch with preemption and chunked prefill."""
+    import kernels
+    if kernels.cpu_kernels() is None:
+        pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
+    spec = {} if draft == "none" else dict(draft=drafts[draft], num_spec_tokens=3)
+    make = lambda: LLM(target[0], dtype="bfloat16", block_size=4, num_blocks=40, max_num_batched_tokens=24, **spec)  # noqa: E731
+    with_c = [o.token_ids for o in make().generate(prompts(8), GREEDY, use_progress=False)]
+    monkeypatch.setattr(kernels, "_cpu_lib", None)
+    without_c = [o.token_ids for o in make().generate(prompts(8), GREEDY, use_progress=False)]
+    assert with_c == without_c

@@ -201,6 +201,55 @@ def test_silu_mul(num_tokens, inter, dtype):
     assert_triton_matches_torch("silu_mul", randn(num_tokens, 2 * inter, dtype=dtype), dtype=dtype)
 
 
+# --------------------------------------------------------------------------------------------
+# C kernels (cpu_kernels.c, bf16 on the CPU): bit-identical to the torch references they replace
+# --------------------------------------------------------------------------------------------
+needs_c_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None,
+                                     reason="cpu_kernels.c did not build here (no C compiler?)")
+
+
+@needs_c_kernels
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 100), (2, 3, 48), (300, 64), (0, 32)])
+def test_c_rms_norm_equals_torch_bit_for_bit(shape, with_residual):
+    x = (3 * torch.randn(*shape[:-1], shape[-1] + 5))[..., :shape[-1]].bfloat16()  # rows with a stride
+    weight = (1 + 0.1 * torch.randn(shape[-1])).bfloat16()
+    residual = torch.randn(*shape).bfloat16() if with_residual else None
+    expected, got = kernels.torch_rms_norm(x, weight, 1e-6, residual), kernels.c_rms_norm(x, weight, 1e-6, residual)
+    for e, g in zip(*((expected, got) if with_residual else ((expected,), (got,)))):
+        assert g.shape == e.shape and torch.equal(g, e)
+
+
+@needs_c_kernels
+@pytest.mark.parametrize("num_tokens", [0, 1, 9, 40])  # 40: split across threads
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 16), (9, 3, 64), (8, 1, 128)])
+def test_c_rotary_equals_torch_bit_for_bit(num_tokens, num_heads, num_kv_heads, head_dim):
+    qkv = (3 * torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)).bfloat16()
+    q_k = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
+    cos_sin = rope_cache(300, head_dim)[torch.randint(0, 300, (num_tokens,))].bfloat16()
+    assert torch.equal(kernels.c_rotary(q_k, cos_sin), kernels.torch_rotary(q_k, cos_sin))
+
+
+def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
+    """bf16 CPU tensors take the C kernel when it built; fp32 never does; with no compiler (or the
+    switch off) the torch path runs, after a warning that names the file."""
+    x, weight = torch.randn(3, 32).bfloat16(), torch.ones(32).bfloat16()
+    if kernels.cpu_kernels() is not None:
+        with mock.patch.object(kernels, "torch_rms_norm", side_effect=AssertionError("took the torch path")):
+            kernels.rms_norm(x, weight, 1e-6)
+    assert not kernels.use_c(x.float())
+    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.warns(UserWarning, match="cpu_kernels.c"):
+        assert kernels.cpu_kernels() is None
+    assert not kernels.use_c(x) and torch.equal(kernels.rms_norm(x, weight, 1e-6),
+                                                kernels.torch_rms_norm(x, weight, 1e-6))
+    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+    monkeypatch.setenv("NANOSPEC_CPU_KERNELS", "0")
+    assert kernels.cpu_kernels() is None
+
+
 def test_elementwise_ops_on_empty_batch():
     q, k, _ = qkv_views(0, 4, 2, 16, torch.float32)
     assert kernels.triton_rotary(q, rope_cache(8, 16)[:0]).shape == q.shape
