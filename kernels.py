@@ -78,6 +78,8 @@ def _load_cpu_kernels():
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [ctypes.c_int64]
+    if hasattr(lib, "paged_attention"):  # built only where the CPU has AVX-512 bf16 dot products
+        lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 7 + [f32]
     return lib
 
 
@@ -109,6 +111,24 @@ def c_rms_norm(x, weight, eps, residual=None):
     cpu_kernels().rms_norm(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), _ptr(residual_out),
                            x.numel() // x.shape[-1], x.shape[-1], eps)
     return out if residual is None else (out, residual_out)
+
+
+def c_attention_fits(q, k_cache, max_q_len) -> bool:
+    """The C paged attention serves short queries (decode, verify) in bf16 with AVX-512 bf16."""
+    return (use_c(q) and hasattr(cpu_kernels(), "paged_attention") and max_q_len <= SHORT_QUERY
+            and q.shape[-1] % 32 == 0 and q.shape[1] // k_cache.shape[2] <= 8)
+
+
+def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len):
+    """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (bf16, CPU, short queries)."""
+    q = q.contiguous()
+    tables, seq_lens, starts = (t.to(torch.int64).contiguous() for t in (block_tables, seq_lens, query_start_loc))
+    out = torch.empty_like(q)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    cpu_kernels().paged_attention(
+        _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(seq_lens), _ptr(starts), _ptr(out),
+        len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, max_seq_len, scale)
+    return out
 
 
 def c_rotary(x, cos_sin):
@@ -371,6 +391,9 @@ def attention(q, k, v, k_cache, v_cache, scale):
     if use_triton(q):
         return triton_paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
                                       ctx.query_start_loc, scale, ctx.max_q_len, ctx.max_seq_len)
+    if c_attention_fits(q, k_cache, ctx.max_q_len):
+        return c_paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                                 scale, ctx.max_seq_len)
     if ctx.torch_plan is None:  # the first layer derives the index work; the other layers reuse it
         ctx.torch_plan = torch_attention_plan(q, k_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)
     return torch_attend(q, k_cache, v_cache, ctx.torch_plan, scale)
