@@ -113,14 +113,17 @@ def c_rms_norm(x, weight, eps, residual=None):
     return out if residual is None else (out, residual_out)
 
 
+C_ATTENTION_MAX_Q = 2  # each query reads its context on its own: past 2 per sequence, SDPA's GEMMs win
+
+
 def c_attention_fits(q, k_cache, max_q_len) -> bool:
-    """The C paged attention serves short queries (decode, verify) in bf16 with AVX-512 bf16."""
-    return (use_c(q) and hasattr(cpu_kernels(), "paged_attention") and max_q_len <= SHORT_QUERY
+    """The C paged attention serves decode steps (and K=1 verification) in bf16 with AVX-512 bf16."""
+    return (use_c(q) and hasattr(cpu_kernels(), "paged_attention") and max_q_len <= C_ATTENTION_MAX_Q
             and q.shape[-1] % 32 == 0 and q.shape[1] // k_cache.shape[2] <= 8)
 
 
 def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len):
-    """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (bf16, CPU, short queries)."""
+    """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (bf16, CPU)."""
     q = q.contiguous()
     tables, seq_lens, starts = (t.to(torch.int64).contiguous() for t in (block_tables, seq_lens, query_start_loc))
     out = torch.empty_like(q)
