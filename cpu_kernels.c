@@ -1,5 +1,6 @@
 // bf16 CPU kernels for ops that torch runs as a chain of small ops, each paying dispatch overhead and a
-// round trip through memory: RMSNorm (with its fused residual add) and rotary. kernels.py
+// round trip through memory: RMSNorm (with its fused residual add), rotary, and decode attention over
+// the paged cache (which torch must first gather into a padded copy). kernels.py
 // compiles this file once with the system's C compiler and calls it through ctypes; each function
 // matches a torch_* reference there. Never allocate, never keep state: the caller owns every buffer.
 #include <math.h>
@@ -60,7 +61,6 @@ void rotary(const bf16 *x, const bf16 *cos_sin, bf16 *out, int tokens, int heads
     }
 }
 
-
 #ifdef __AVX512BF16__  // paged attention needs AVX-512 with bf16 dot products; kernels.py checks for the symbol
 #include <immintrin.h>
 
@@ -77,7 +77,7 @@ static inline __m512 exp_nonpositive(__m512 x) {  // e^x for x <= 0: 2^n * e^r, 
 }
 
 // Causal attention of packed queries q [T, Hq, D] over the paged caches [num_blocks, block_size, Hkv, D]:
-// the contract of torch_paged_attention, for short queries (decode, verify). A work item is one query
+// the contract of torch_paged_attention (kernels.py sends it decode steps only). A work item is one query
 // and one KV head with its group of query heads. Instead of gathering each context into a padded copy,
 // it reads the cache in place in three passes: scores for 16 keys at a time (a gather of their bf16
 // pairs per step of 2 dims, so no horizontal sums), softmax, then the weighted sum of values.
@@ -91,7 +91,7 @@ void paged_attention(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, co
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;  // one token's row in the cache, in bf16s
     #pragma omp parallel
     {
-        float scores[MAX_GROUP][max_seq_len + 16];
+        float scores[group][max_seq_len + 16];  // per thread, on its stack
         int64_t slot[max_seq_len + 16];  // each key's cache slot
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < (int64_t)num_tokens * num_kv_heads; item++) {
@@ -107,10 +107,9 @@ void paged_attention(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, co
             const uint32_t *q_pairs = (const uint32_t *)(q + ((int64_t)t * num_heads + kv_head * group) * head_dim);
             const int *k_pairs = (const int *)(k_cache + kv_head * head_dim);
             for (int l0 = 0; l0 < num_keys; l0 += 16) {
-                __m512i pair_index = _mm512_set1_epi64(0);
-                int32_t index[16];
+                int32_t index[16];  // of each key's first bf16 pair (kernels.py keeps it below 2^31)
                 for (int j = 0; j < 16; j++) index[j] = (int32_t)(slot[l0 + j] * slot_stride / 2);
-                pair_index = _mm512_loadu_si512(index);
+                __m512i pair_index = _mm512_loadu_si512(index);
                 __m512 acc[MAX_GROUP];
                 for (int g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
                 for (int p = 0; p < head_dim / 2; p++) {

@@ -119,7 +119,8 @@ C_ATTENTION_MAX_Q = 2  # each query reads its context on its own: past 2 per seq
 def c_attention_fits(q, k_cache, max_q_len) -> bool:
     """The C paged attention serves decode steps (and K=1 verification) in bf16 with AVX-512 bf16."""
     return (use_c(q) and hasattr(cpu_kernels(), "paged_attention") and max_q_len <= C_ATTENTION_MAX_Q
-            and q.shape[-1] % 32 == 0 and q.shape[1] // k_cache.shape[2] <= 8)
+            and q.shape[-1] % 32 == 0 and q.shape[1] // k_cache.shape[2] <= 8
+            and k_cache.is_contiguous() and k_cache.numel() < 2**32)  # the kernel's int32 gather offsets
 
 
 def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len):
