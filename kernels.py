@@ -56,10 +56,8 @@ def get_context() -> AttentionContext:
 # torch references below run instead.
 # ---------------------------------------------------------------------------------------------
 def _load_cpu_kernels():
-    if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0":
-        return None
-    source = Path(__file__).with_name("cpu_kernels.c")
-    if not source.exists():  # a non-editable install ships the Python modules only
+    source = Path(__file__).with_name("cpu_kernels.c")  # missing where a non-editable install kept only .py files
+    if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
     cache = Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
     library = cache / f"cpu_kernels-{hashlib.sha1(source.read_bytes()).hexdigest()[:12]}.so"
@@ -98,18 +96,12 @@ def use_c(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.bfloat16 and not FORCE_TRITON and cpu_kernels() is not None
 
 
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
-
-
 def c_rms_norm(x, weight, eps, residual=None):
     """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (bf16, CPU)."""
-    x = x.contiguous()
-    residual = None if residual is None else residual.contiguous()
-    out = torch.empty_like(x)
-    residual_out = None if residual is None else torch.empty_like(x)
-    cpu_kernels().rms_norm(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), _ptr(residual_out),
-                           x.numel() // x.shape[-1], x.shape[-1], eps)
+    x, out = x.contiguous(), torch.empty_like(x)
+    residual, residual_out = (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
+    pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, residual_out)]
+    cpu_kernels().rms_norm(*pointers, x.numel() // x.shape[-1], x.shape[-1], eps)
     return out if residual is None else (out, residual_out)
 
 
@@ -129,9 +121,9 @@ def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
     tables, seq_lens, starts = (t.to(torch.int64).contiguous() for t in (block_tables, seq_lens, query_start_loc))
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    cpu_kernels().paged_attention(
-        _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(seq_lens), _ptr(starts), _ptr(out),
-        len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size, max_seq_len, scale)
+    cpu_kernels().paged_attention(*(t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)),
+                                  len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
+                                  max_seq_len, scale)
     return out
 
 
@@ -140,7 +132,7 @@ def c_rotary(x, cos_sin):
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     out = x.new_empty(x.shape)
-    cpu_kernels().rotary(_ptr(x), _ptr(cos_sin.contiguous()), _ptr(out), *x.shape, x.stride(0))
+    cpu_kernels().rotary(x.data_ptr(), cos_sin.contiguous().data_ptr(), out.data_ptr(), *x.shape, x.stride(0))
     return out
 
 
