@@ -172,8 +172,8 @@ def test_acceptance_per_position_pools_requests(target, drafts):
 
 @pytest.mark.parametrize("draft", ["none", "ngram", "self"])
 def test_bf16_c_kernels_give_the_torch_paths_greedy_output(target, drafts, monkeypatch, draft):
-    """In bf16 on the CPU the engine runs cpu_kernels.c's RMSNorm and rotary; greedy tokens must equal
-    the torch path's, with and without speculation, in a batch with preemption and chunked prefill."""
+    """In bf16 on the CPU the engine runs cpu_kernels.c's RMSNorm, rotary and decode attention; greedy
+    tokens must equal the torch path's, with and without speculation, with preemption and chunked prefill."""
     import kernels
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")

@@ -206,8 +206,6 @@ def test_silu_mul(num_tokens, inter, dtype):
 # --------------------------------------------------------------------------------------------
 needs_c_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None,
                                      reason="cpu_kernels.c did not build here (no C compiler?)")
-
-
 needs_c_attention = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "paged_attention"),
                                        reason="the C paged attention needs AVX-512 with bf16 dot products")
 
