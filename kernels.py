@@ -1,7 +1,8 @@
 # The hot ops of every forward: paged KV store, unified varlen paged attention, RMSNorm, rotary,
 # SiLU-and-mul, and the rejection-sampling steps. Each op has a plain-torch reference (`torch_*`) and,
-# where it pays on a GPU, a Triton kernel (`triton_*`) with the same signature; one public function per
-# op picks. Never pick Triton for a CPU tensor unless forced (tests under TRITON_INTERPRET=1).
+# where it pays on a GPU, a Triton kernel (`triton_*`) with the same signature; for bf16 on a CPU, some
+# have a C kernel (`c_*`, cpu_kernels.c). One public function per op picks. Never pick Triton for a CPU
+# tensor unless forced (tests under TRITON_INTERPRET=1).
 import ctypes
 import hashlib
 import os
