@@ -63,16 +63,16 @@ def _load_cpu_kernels():
     cache = Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
     library = cache / f"cpu_kernels-{hashlib.sha1(source.read_bytes()).hexdigest()[:12]}.so"
     if not library.exists():
-        cache.mkdir(parents=True, exist_ok=True)
         partial = library.with_suffix(f".{os.getpid()}.tmp")  # rename: concurrent builds never see half a file
         command = [os.environ.get("CC", "cc"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
                    str(source), "-o", str(partial)]
-        try:
+        try:  # no compiler, a failed build or an unwritable cache dir: the torch path still works
+            cache.mkdir(parents=True, exist_ok=True)
             subprocess.run(command, check=True, capture_output=True)
+            partial.rename(library)
         except (OSError, subprocess.CalledProcessError) as error:
             warnings.warn(f"nanospec: could not build {source.name} ({error}); using the torch CPU path")
             return None
-        partial.rename(library)
     lib = ctypes.CDLL(str(library))
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
