@@ -1,8 +1,8 @@
 // bf16 CPU kernels for ops that torch runs as a chain of small ops, each paying dispatch overhead and a
-// round trip through memory: RMSNorm (with its fused residual add), rotary, and decode attention over
-// the paged cache (which torch must first gather into a padded copy). kernels.py
-// compiles this file once with the system's C compiler and calls it through ctypes; each function
-// matches a torch_* reference there. Never allocate, never keep state: the caller owns every buffer.
+// round trip through memory: RMSNorm (with its fused residual add), rotary, and decode attention over the
+// paged cache (which torch must first gather into a padded copy). kernels.py compiles this file once with
+// the system's C compiler and calls it through ctypes; each function matches a torch_* reference there.
+// Never allocate on the heap, never keep state: the caller owns every buffer.
 #include <math.h>
 #include <stdint.h>
 

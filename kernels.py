@@ -56,11 +56,16 @@ def get_context() -> AttentionContext:
 # into the cache dir, called through ctypes. Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the
 # torch references below run instead.
 # ---------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """nanospec's cache (the converted default model, the built C kernels): $NANOSPEC_CACHE or ~/.cache/nanospec."""
+    return Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
+
+
 def _load_cpu_kernels():
     source = Path(__file__).with_name("cpu_kernels.c")  # missing where a non-editable install kept only .py files
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
-    cache = Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
+    cache = cache_dir()
     library = cache / f"cpu_kernels-{hashlib.sha1(source.read_bytes()).hexdigest()[:12]}.so"
     if not library.exists():
         partial = library.with_suffix(f".{os.getpid()}.tmp")  # rename: concurrent builds never see half a file

