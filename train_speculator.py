@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from models import load_model
 from models.gguf import default_model_path
-from models.mlp_speculator import MLPSpeculator
+from models.mlp_speculator import VOCAB_FILE, MLPSpeculator
 from nanospec import LLM, SamplingParams
 
 
@@ -49,9 +49,12 @@ def loss_per_head(spec: MLPSpeculator, data: dict, positions) -> list[torch.Tens
     losses = []
     for i in range(spec.n_predict):
         inputs = (positions + 1 + i).clamp(max=len(tokens) - 1)
+        labels = data["greedy"][inputs]
         valid = doc[inputs] == doc[positions]
+        if spec.vocab_ids is not None:  # a reduced head cannot score other tokens (their logits are -inf)
+            valid &= torch.isin(labels, spec.vocab_ids)
         state, logits = spec.step(i, state, tokens[inputs])
-        losses.append(F.cross_entropy(logits[valid], data["greedy"][inputs[valid]]))
+        losses.append(F.cross_entropy(logits[valid], labels[valid]))
     return losses
 
 
@@ -79,11 +82,21 @@ def new_speculator(target_path: str, n_predict: int) -> tuple[MLPSpeculator, dic
     return spec, config
 
 
-def save(spec: MLPSpeculator, config: dict, out: str, optimizer, step: int):
+def frequent_tokens(labels: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+    """The n tokens the target predicts most often in the data, in id order. Ties (among them the
+    tokens never seen) go to lower ids, which byte-pair vocabularies give to more common pieces."""
+    counts = torch.bincount(labels, minlength=vocab_size).double()
+    return torch.argsort(counts - torch.arange(vocab_size) / vocab_size, descending=True)[:n].sort().values
+
+
+def save(spec: MLPSpeculator, config: dict, out: str, optimizer, step: int, full_head: torch.Tensor):
     os.makedirs(out, exist_ok=True)
     names = ["emb.0.weight", "head.0.weight", "ln.0.weight", "ln.0.bias", "proj.0.weight"] + \
             (["proj.1.weight"] if spec.n_predict > 1 else [])
     state = spec.state_dict()
+    if spec.vocab_ids is not None:  # the checkpoint keeps the full layout: trained rows among the target's
+        state["head.0.weight"] = full_head.index_copy(0, spec.vocab_ids, state["head.0.weight"])
+        save_file({"token_ids": spec.vocab_ids}, os.path.join(out, VOCAB_FILE))
     save_file({f"speculator.{n}": state[n].contiguous() for n in names}, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
@@ -98,6 +111,8 @@ def resume(spec: MLPSpeculator, out: str, optimizer) -> int:
     if not os.path.exists(os.path.join(out, "train_state.json")):
         return 0
     weights = {k.removeprefix("speculator."): v for k, v in load_file(os.path.join(out, "model.safetensors")).items()}
+    if spec.vocab_ids is not None:
+        weights["head.0.weight"] = weights["head.0.weight"][spec.vocab_ids]
     spec.load_state_dict({n: weights[n] for n in weights}, strict=False)
     moments = load_file(os.path.join(out, "optimizer.safetensors"))
     for name, p in spec.named_parameters():
@@ -133,6 +148,9 @@ def train(args):
         save_file(data, data_file)
     # Every position whose next token is in the same sequence is a training example.
     positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()
+    full_head = spec.head[0].weight.detach().clone()
+    if 0 < args.draft_vocab < spec.vocab_size:
+        spec.restrict_vocab(frequent_tokens(data["greedy"], args.draft_vocab, spec.vocab_size))
     head = spec.head[0].weight
     small = [p for p in spec.parameters() if p.requires_grad and p is not head]
     optimizer = torch.optim.AdamW([{"params": small}, {"params": [head], "lr": args.lr * HEAD_LR_SCALE}],
@@ -152,7 +170,7 @@ def train(args):
             step += 1
             progress.update(task, advance=1, description="loss " + " ".join(f"{l.item():.2f}" for l in losses))
             if step % args.save_every == 0 or step == args.steps:
-                save(spec, config, args.out, optimizer, step)
+                save(spec, config, args.out, optimizer, step, full_head)
     return [l.item() for l in losses]
 
 
@@ -169,6 +187,9 @@ def parse_args(argv=None):
                         "own next-token argmax); 'docs' = standard-library docstrings")
     p.add_argument("--max-texts", type=int, default=0, help="use only the first N texts (0: all)")
     p.add_argument("--n-predict", type=int, default=3)
+    p.add_argument("--draft-vocab", type=int, default=4096,
+                   help="heads score only the N tokens the target predicts most often in the data (0: all); "
+                        "written to draft_vocab.safetensors beside the full-vocabulary checkpoint")
     p.add_argument("--max-tokens", type=int, default=128, help="target continuation length per prompt")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=256)

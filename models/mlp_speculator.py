@@ -7,6 +7,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from kernels import prepack_linears
@@ -44,6 +45,8 @@ class MLPSpeculator(nn.Module):
         # whose squares sum to about one (see the fms implementation).
         self.state_weight = 0.5 ** (0.5 / n)
         self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * inner / 2)
+        # Set by restrict_vocab: the token ids the heads score (None: all). A buffer, so .to(device) moves it.
+        self.register_buffer("vocab_ids", None, persistent=False)
 
     def first_state(self, hidden):
         return self.ln0(hidden) / math.sqrt(2) if self.scale_input else hidden
@@ -52,7 +55,24 @@ class MLPSpeculator(nn.Module):
         """Head i: (state, last token) -> (new state, logits over the vocabulary)."""
         state = self.proj[i](state) + self.emb[i](tokens) * (self.emb_weight / self.state_weight)
         state = F.gelu(self.ln[i](state))
-        return state, self.head[i](state)
+        logits = self.head[i](state)
+        if self.vocab_ids is None:
+            return state, logits
+        # A reduced head scores only its tokens; every other token gets -inf, so it is never proposed.
+        # That never costs correctness: the rejection sampler is lossless for any draft distribution.
+        full = logits.new_full((len(logits), self.vocab_size), float("-inf"))
+        return state, full.index_copy_(1, self.vocab_ids, logits)
+
+    def restrict_vocab(self, token_ids: torch.Tensor):
+        """Keep only these rows of the vocabulary heads. Each head is as costly as the target's lm_head
+        (a 49k x 576 GEMV for SmolLM2, 5 ms on a 2-core CPU); the target's frequent tokens cost a tenth."""
+        rows = {}  # tied heads share one tensor; they keep sharing one (smaller) parameter
+        for head in self.head:
+            if id(head.weight) not in rows:
+                rows[id(head.weight)] = nn.Parameter(head.weight.detach()[token_ids].contiguous(),
+                                                     requires_grad=head.weight.requires_grad)
+            head.weight, head.out_features = rows[id(head.weight)], len(token_ids)
+        self.vocab_ids = token_ids
 
 
 def tied_name(name: str) -> str:
@@ -82,4 +102,20 @@ def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
                              f"expected {tuple(param.shape)}")
         weights[name] = state[source]
     model.load_state_dict(weights, assign=True)
+    vocab_file = os.path.join(path, VOCAB_FILE)  # optional, beside the ibm-fms layout (other engines ignore it)
+    if os.path.exists(vocab_file):
+        token_ids = read_vocab(vocab_file, model.vocab_size)
+        model.restrict_vocab(token_ids)
     return prepack_linears(model.to(device).eval())
+
+
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def read_vocab(vocab_file: str, vocab_size: int) -> torch.Tensor:
+    token_ids = load_file(vocab_file).get("token_ids")
+    if token_ids is None or token_ids.dim() != 1 or len(token_ids) == 0:
+        raise ValueError(f"{vocab_file}: expected a 1-d tensor 'token_ids'")
+    if token_ids.min() < 0 or token_ids.max() >= vocab_size or len(token_ids.unique()) != len(token_ids):
+        raise ValueError(f"{vocab_file}: 'token_ids' must be distinct ids in [0, {vocab_size})")
+    return token_ids.long()

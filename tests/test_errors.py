@@ -105,6 +105,9 @@ def test_bad_spec_configs(folder, tmp_path):
     llm = LLM(str(folder), draft=f"mlp:{tmp_path / 'mlp'}", num_spec_tokens=2, num_blocks=16)
     with pytest.raises(ValueError, match="num_spec_tokens 3 exceeds the speculator's n_predict 2"):
         llm.generate([[5, 6]], SamplingParams(num_spec_tokens=3))
+    save_file({"token_ids": torch.tensor([1, 2, tiny.VOCAB])}, tmp_path / "mlp" / "draft_vocab.safetensors")
+    with pytest.raises(ValueError, match=r"draft_vocab.safetensors: 'token_ids' must be distinct ids in \[0, "):
+        LLM(str(folder), draft=f"mlp:{tmp_path / 'mlp'}", num_spec_tokens=2)
     tiny.write_mlp_speculator(tmp_path / "mlp_wide", emb_dim=32, n_predict=2)
     with pytest.raises(ValueError, match="does not fit the target"):
         LLM(str(folder), draft=f"mlp:{tmp_path / 'mlp_wide'}", num_spec_tokens=2)

@@ -3,9 +3,10 @@
 import json
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import tiny
+from models.mlp_speculator import VOCAB_FILE, load_speculator
 from nanospec import LLM, SamplingParams
 from test_engine import GREEDY, prompts
 from train_speculator import parse_args, train
@@ -21,7 +22,7 @@ def test_training_lowers_loss_and_checkpoint_runs(tmp_path):
     out = tmp_path / "spec"
     common = ["--model", str(target), "--out", str(out), "--prompts", str(workload), "--texts", str(workload),
               "--n-predict", "3", "--max-tokens", "48", "--batch-size", "64", "--lr", "3e-3", "--dtype", "float32",
-              "--save-every", "10"]
+              "--save-every", "10", "--draft-vocab", "24"]
     first = train(parse_args(common + ["--steps", "1"]))
     last = train(parse_args(common + ["--steps", "60"]))  # resumes at step 1 with the saved data
     assert json.loads((out / "train_state.json").read_text())["step"] == 60
@@ -32,9 +33,16 @@ def test_training_lowers_loss_and_checkpoint_runs(tmp_path):
     assert torch.equal(weights["speculator.emb.0.weight"], target_weights["model.embed_tokens.weight"])
     assert not torch.equal(weights["speculator.head.0.weight"], head)
     assert torch.allclose(weights["speculator.head.0.weight"], head, atol=0.1)
+    # --draft-vocab 24: only the 24 most frequent labels' rows were trained; the rest stay the target's.
+    token_ids = load_file(out / VOCAB_FILE)["token_ids"]
+    assert len(token_ids) == 24 and token_ids.unique().tolist() == token_ids.tolist()
+    outside = torch.ones(len(head), dtype=torch.bool)
+    outside[token_ids] = False
+    assert torch.equal(weights["speculator.head.0.weight"][outside], head[outside])
     plain = LLM(str(target), dtype="float32", block_size=2, num_blocks=128)
     spec = LLM(str(target), dtype="float32", block_size=2, num_blocks=128, draft=f"mlp:{out}", num_spec_tokens=3)
     expected = [o.token_ids for o in plain.generate(prompts(6), GREEDY, use_progress=False)]
+    assert spec.proposer.model.vocab_ids.tolist() == token_ids.tolist()
     outs = spec.generate(prompts(6), GREEDY, use_progress=False)
     assert [o.token_ids for o in outs] == expected
     assert sum(o.num_accepted_tokens for o in outs) > 0
@@ -57,3 +65,24 @@ def test_collected_labels_are_the_targets_own_next_tokens(tmp_path):
         assert data["greedy"][generated].tolist() == data["tokens"][generated + 1].tolist()
     read = collect(llm, prompts, max_tokens=0)
     assert len(read["tokens"]) == sum(len(llm.tokenizer.encode(p)) for p in prompts)
+
+
+def test_reduced_vocabulary_scores_only_its_tokens(tmp_path):
+    """With draft_vocab.safetensors beside the checkpoint, the heads give those tokens exactly the full
+    heads' logits and every other token -inf (never proposed); the states they pass on are unchanged."""
+    tiny.write_mlp_speculator(tmp_path, emb_dim=64, n_predict=3, tie_weights=True)
+    full = load_speculator(str(tmp_path), "float32")
+    token_ids = torch.tensor([3, 7, 8, 40, tiny.VOCAB - 1])
+    save_file({"token_ids": token_ids}, tmp_path / VOCAB_FILE)
+    reduced = load_speculator(str(tmp_path), "float32")
+    outside = torch.ones(tiny.VOCAB, dtype=torch.bool)
+    outside[token_ids] = False
+    hidden, tokens = torch.randn(4, 64), torch.tensor([1, 2, 3, 4])
+    full_state, reduced_state = full.first_state(hidden), reduced.first_state(hidden)
+    for i in range(3):
+        full_state, full_logits = full.step(i, full_state, tokens)
+        reduced_state, logits = reduced.step(i, reduced_state, tokens)
+        torch.testing.assert_close(reduced_state, full_state)
+        torch.testing.assert_close(logits[:, token_ids], full_logits[:, token_ids])
+        assert (logits[:, outside] == float("-inf")).all()
+        tokens = logits.argmax(-1)
