@@ -1,7 +1,8 @@
 # Train an MLP speculator for a target model by self-distillation (arXiv 2404.19124): the target
 # greedily continues a set of prompts (and reads more texts without continuing them), we record its
 # final-norm hidden states and its greedy next token at every position, and the heads learn to predict
-# the target's own next tokens. Writes an ibm-fms layout checkpoint (--draft mlp:DIR).
+# the target's own next tokens. Writes an ibm-fms layout checkpoint (--draft mlp:DIR), plus the
+# reduced vocabulary its heads were trained on (draft_vocab.safetensors, read by nanospec only).
 # It must never train on the prompts it is later evaluated on: pass held-apart prompts to bench.py.
 import argparse
 import json
@@ -191,7 +192,7 @@ def parse_args(argv=None):
                    help="heads score only the N tokens the target predicts most often in the data (0: all); "
                         "written to draft_vocab.safetensors beside the full-vocabulary checkpoint")
     p.add_argument("--max-tokens", type=int, default=128, help="target continuation length per prompt")
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--save-every", type=int, default=100)
