@@ -13,6 +13,9 @@ from torch import nn
 from kernels import prepack_linears
 from models import read_checkpoint, resolve_dtype
 
+# Optional, beside the ibm-fms layout: the token ids a reduced head scores (other engines ignore the file).
+VOCAB_FILE = "draft_vocab.safetensors"
+
 
 class SpeculatorNorm(nn.Module):
     """RMS-style LayerNorm with weight and bias (fms LayerNormParameterized, use_mean=False)."""
@@ -102,14 +105,10 @@ def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
                              f"expected {tuple(param.shape)}")
         weights[name] = state[source]
     model.load_state_dict(weights, assign=True)
-    vocab_file = os.path.join(path, VOCAB_FILE)  # optional, beside the ibm-fms layout (other engines ignore it)
+    vocab_file = os.path.join(path, VOCAB_FILE)
     if os.path.exists(vocab_file):
-        token_ids = read_vocab(vocab_file, model.vocab_size)
-        model.restrict_vocab(token_ids)
+        model.restrict_vocab(read_vocab(vocab_file, model.vocab_size))
     return prepack_linears(model.to(device).eval())
-
-
-VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def read_vocab(vocab_file: str, vocab_size: int) -> torch.Tensor:
