@@ -149,7 +149,7 @@ def train(args):
         save_file(data, data_file)
     # Every position whose next token is in the same sequence is a training example.
     positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()
-    full_head = spec.head[0].weight.detach().clone()
+    full_head = spec.head[0].weight.detach()  # a reduced head trains a copy of its rows; save() writes them back here
     if 0 < args.draft_vocab < spec.vocab_size:
         spec.restrict_vocab(frequent_tokens(data["greedy"], args.draft_vocab, spec.vocab_size))
     head = spec.head[0].weight
