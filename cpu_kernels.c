@@ -1,12 +1,19 @@
-// bf16 CPU kernels for ops that torch runs as a chain of small ops, each paying dispatch overhead and a
-// round trip through memory: RMSNorm (with its fused residual add), rotary, and decode attention over the
-// paged cache (which torch must first gather into a padded copy). kernels.py compiles this file once with
-// the system's C compiler and calls it through ctypes; each function matches a torch_* reference there.
-// Never allocate on the heap, never keep state: the caller owns every buffer.
+// CPU kernels: the linear layers (weight streaming), paged attention for every query shape, and bf16
+// RMSNorm and rotary. kernels.py compiles this file once per ISA (AVX-512, AVX2 + FMA, or generic) and
+// calls it through ctypes; each function keeps the contract of a torch_* reference there.
+// Every output is computed by one fixed chain of arithmetic that never depends on how many rows, queries
+// or threads the call has: that is what makes speculation bit-exact (DESIGN.md, "Exactness").
+// The caller owns every buffer; nothing here allocates or keeps state.
 #include <math.h>
 #include <stdint.h>
 
 typedef uint16_t bf16;  // raw bfloat16 bits: the top half of an fp32
+// 16 floats: one zmm with AVX-512, two ymm with AVX2, four xmm otherwise; the compiler picks.
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+#define LANES 16
 
 static inline float to_f32(bf16 h) { union { uint32_t u; float f; } v = { (uint32_t)h << 16 }; return v.f; }
 
@@ -15,8 +22,236 @@ static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
     return (bf16)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
 }
 
-// RMSNorm of x [rows, H] in fp32, rounded like torch_rms_norm: bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w).
-// With residual: x + residual (rounded to bf16) is normed and also written to residual_out.
+static inline vf load_vf(const void *p, int is_bf16) {  // 16 values, widened to fp32 (exact)
+    if (!is_bf16) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+    vh h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+static inline void store_vf(void *p, vf v, int is_bf16) {  // rounded to nearest even for bf16
+    if (!is_bf16) { __builtin_memcpy(p, &v, sizeof v); return; }
+    vu u = (vu)v;
+    vh h = __builtin_convertvector((u + 0x7FFF + ((u >> 16) & 1)) >> 16, vh);
+    __builtin_memcpy(p, &h, sizeof h);
+}
+
+static inline float load_f(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float hsum(vf v) {  // a fixed pairwise tree: the same order for every call
+    float s[LANES];
+    __builtin_memcpy(s, &v, sizeof v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) s[i] += s[i + width];
+    return s[0];
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Linear: y[M, N] = x[M, K] W^T (+ bias). W is packed once at load time into panels of 16 output columns,
+// k-major: w[panel][k][16] (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows). Each
+// output y[m, n] is one fp32 fused multiply-add chain over k = 0..K-1 from zero, then + bias: the same for
+// any M, tile shape or thread count. A tile of ROWS x PANELS outputs keeps its accumulators in registers
+// and reads each weight element once for all its rows, so small-M steps (decode, verify) stream the
+// weights once: memory bound, and verifying K+1 rows costs about what one row does.
+// ---------------------------------------------------------------------------------------------------
+#ifdef __AVX512F__
+#define MAX_ROWS 6  // 6 rows x 4 panels = 24 of the 32 vector registers
+#define PANELS 4
+#else
+#define MAX_ROWS 3  // 16 ymm registers: 3 x 2 panels x 2 halves = 12 accumulators
+#define PANELS 2
+#endif
+
+static inline __attribute__((always_inline)) void
+linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, int panels, int64_t m0, int p0,
+            int N, int K, int x_bf16, int w_bf16)
+{
+    vf acc[MAX_ROWS][PANELS] = {};
+    int64_t panel_size = (int64_t)K * LANES;
+    for (int k = 0; k < K; k++) {
+        vf wk[PANELS];
+        for (int p = 0; p < panels; p++)
+            wk[p] = load_vf((const char *)w + ((p0 + p) * panel_size + (int64_t)k * LANES) * (w_bf16 ? 2 : 4), w_bf16);
+        for (int r = 0; r < rows; r++) {
+            vf xk = (vf){} + load_f(x, (m0 + r) * K + k, x_bf16);
+            for (int p = 0; p < panels; p++) acc[r][p] += xk * wk[p];  // contracted to an FMA
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int p = 0; p < panels; p++) {
+            int n0 = (p0 + p) * LANES;
+            vf out = acc[r][p];
+            if (bias) out += load_vf((const char *)bias + (int64_t)n0 * (x_bf16 ? 2 : 4), x_bf16);
+            if (n0 + LANES <= N) {
+                store_vf((char *)y + ((m0 + r) * N + n0) * (x_bf16 ? 2 : 4), out, x_bf16);
+            } else {  // the last, partial panel
+                char tmp[LANES * 4];
+                store_vf(tmp, out, x_bf16);
+                __builtin_memcpy((char *)y + ((m0 + r) * N + n0) * (x_bf16 ? 2 : 4), tmp, (N - n0) * (x_bf16 ? 2 : 4));
+            }
+        }
+}
+
+// One instance per (rows, panels) shape, so every accumulator has a register; x_bf16 / w_bf16 are
+// constant inside each instance too.
+#define TILE(R, P) linear_tile(x, w, bias, y, R, P, m0, p0, N, K, x_bf16, w_bf16)
+static void linear_rows(const void *x, const void *w, const void *bias, void *y, int rows, int panels, int64_t m0,
+                        int p0, int N, int K, int x_bf16, int w_bf16)
+{
+    if (panels == PANELS) {
+        switch (rows) {
+        case 1: TILE(1, PANELS); break;
+        case 2: TILE(2, PANELS); break;
+        case 3: TILE(3, PANELS); break;
+#if MAX_ROWS == 6
+        case 4: TILE(4, PANELS); break;
+        case 5: TILE(5, PANELS); break;
+        case 6: TILE(6, PANELS); break;
+#endif
+        }
+    } else {
+        for (int p = 0; p < panels; p++)
+            for (int r = 0; r < rows; r++) linear_tile(x, w, bias, y, 1, 1, m0 + r, p0 + p, N, K, x_bf16, w_bf16);
+    }
+}
+
+// x_bf16: x, bias and y are bf16 (else fp32); w_bf16: the packed weight is bf16 (else fp32).
+void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K, int x_bf16, int w_bf16,
+            int threads)
+{
+    int num_panels = (N + LANES - 1) / LANES, groups = (num_panels + PANELS - 1) / PANELS;
+    // A thread owns whole column groups and walks every row through them: the group's weights stay in
+    // its cache while the rows pass, and which thread computes an output never changes its value.
+    #pragma omp parallel for schedule(static) num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
+    for (int g = 0; g < groups; g++) {
+        int p0 = g * PANELS, panels = num_panels - p0 < PANELS ? num_panels - p0 : PANELS;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
+            linear_rows(x, w, bias, y, M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS, panels, m0, p0, N, K,
+                        x_bf16, w_bf16);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Paged attention for packed queries q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D]: the
+// contract of torch_paged_attention, for prefill chunks, decode and verification alike. A work item is one
+// query and one KV head with its group of query heads. It reads its keys 0..position straight from the
+// cache in chunks of 16 from position 0, with an online softmax: the same arithmetic for a query at a
+// given position whatever the step around it. D must be a multiple of 16.
+// ---------------------------------------------------------------------------------------------------
+#define MAX_GROUP 16
+#define MAX_DIM 256
+
+static inline vf exp_vf(vf x) {  // e^x for x <= 0 (e^-inf = 0): 2^n * e^r, |r| <= ln2/2, rel. error ~1e-7
+    vi dead = x < -87.0f;
+    x = (vf)(((vi)x & ~dead) | ((vi)((vf){} - 87.0f) & dead));
+    vf n = (x * 1.442695041f + 12582912.0f) - 12582912.0f;  // round to nearest integer
+    vf r = x - n * 0.693147181f;
+    vf p = (vf){} + 1.0f / 720;
+    const float taylor[] = { 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f };
+    for (int i = 0; i < 6; i++) p = p * r + taylor[i];
+    vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)scale) & ~dead);
+}
+
+static const vi IOTA = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15 };
+// Slot i of sum_lanes' input ends up in output lane BITREV[i] (and BITREV is its own inverse).
+static const int BITREV[LANES] = { 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15 };
+
+static inline vf fold(vf a, vf b, int w) {  // blocks of w lanes of a and b, paired with the next w and summed
+    vi within = IOTA & (2 * w - 1), lo = IOTA + ((within >= w) & (16 - w));  // w is a power of 2
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + w);
+}
+
+// Output lane BITREV[i] = the sum of v[i]'s 16 lanes, by the same tree for every lane: 15 shuffle pairs
+// for 16 horizontal sums.
+static inline vf sum_lanes(vf v[LANES]) {
+    for (int n = LANES, w = LANES / 2; w > 0; n /= 2, w /= 2)
+        for (int i = 0; i < n / 2; i++) v[i] = fold(v[2 * i], v[2 * i + 1], w);
+    return v[0];
+}
+
+static inline __attribute__((always_inline)) void
+attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out, int t, int kv_head,
+       int num_keys, int num_heads, int group, int block_size, int64_t slot_stride, float scale,
+       const int chunks, const int is_bf16)
+{
+    int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4;
+    vf qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], partial[MAX_GROUP][LANES];
+    float max_score[MAX_GROUP], total[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        const char *qh = (const char *)q + (((int64_t)t * num_heads + kv_head * group + g) * head_dim) * elem;
+        for (int c = 0; c < chunks; c++) qv[g][c] = load_vf(qh + c * LANES * elem, is_bf16), acc[g][c] = (vf){};
+        max_score[g] = -INFINITY, total[g] = 0.0f;
+    }
+    for (int l0 = 0; l0 < num_keys; l0 += LANES) {
+        int64_t row[LANES];  // byte offset of keys l0..l0+15 for this KV head (past the last: a valid one)
+        for (int j = 0; j < LANES; j++) {
+            int l = l0 + j < num_keys ? l0 + j : l0;
+            row[j] = ((table[l / block_size] * block_size + l % block_size) * slot_stride + kv_head * head_dim) * elem;
+        }
+        for (int i = 0; i < LANES; i++) {  // key BITREV[i]'s products, per head, for sum_lanes
+            vf k[MAX_DIM / LANES];
+            for (int c = 0; c < chunks; c++) k[c] = load_vf((const char *)k_cache + row[BITREV[i]] + c * LANES * elem, is_bf16);
+            for (int g = 0; g < group; g++) {
+                vf dot = {};
+                for (int c = 0; c < chunks; c++) dot += qv[g][c] * k[c];
+                partial[g][i] = dot;
+            }
+        }
+        vi valid = l0 + IOTA < num_keys;
+        for (int g = 0; g < group; g++) {
+            vf scores = sum_lanes(partial[g]) * scale;
+            scores = (vf)(((vi)scores & valid) | ((vi)((vf){} - INFINITY) & ~valid));
+            float new_max = max_score[g];
+            for (int j = 0; j < LANES; j++) new_max = scores[j] > new_max ? scores[j] : new_max;
+            float alpha = expf(max_score[g] - new_max);  // 0 on the first chunk (e^-inf)
+            vf p = exp_vf(scores - new_max);
+            total[g] = total[g] * alpha + hsum(p);
+            max_score[g] = new_max;
+            for (int c = 0; c < chunks; c++) acc[g][c] *= alpha;
+            for (int j = 0; j < LANES && l0 + j < num_keys; j++)
+                for (int c = 0; c < chunks; c++)
+                    acc[g][c] += p[j] * load_vf((const char *)v_cache + row[j] + c * LANES * elem, is_bf16);
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        char *oh = (char *)out + (((int64_t)t * num_heads + kv_head * group + g) * head_dim) * elem;
+        for (int c = 0; c < chunks; c++) store_vf(oh + c * LANES * elem, acc[g][c] / total[g], is_bf16);
+    }
+}
+
+void paged_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
+                     const int64_t *seq_lens, const int64_t *query_start_loc, void *out, int num_seqs,
+                     int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                     int is_bf16, int threads)
+{
+    int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
+    int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
+    #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (num_tokens * num_kv_heads > 4)
+    for (int64_t item = 0; item < (int64_t)num_tokens * num_kv_heads; item++) {
+        int t = (int)(item / num_kv_heads), kv_head = (int)(item % num_kv_heads), b = 0;
+        while (query_start_loc[b + 1] <= t) b++;
+        int q_len = (int)(query_start_loc[b + 1] - query_start_loc[b]);
+        int num_keys = (int)seq_lens[b] - q_len + (t - (int)query_start_loc[b]) + 1;  // keys 0..position
+        const int64_t *table = block_tables + (int64_t)b * max_blocks;
+#define ATTEND(CHUNKS, BF16) attend(q, k_cache, v_cache, table, out, t, kv_head, num_keys, num_heads, group, \
+                                    block_size, slot_stride, scale, CHUNKS, BF16)
+        if (head_dim == 64 && is_bf16) ATTEND(4, 1);  // the common shapes get constant loop bounds
+        else if (head_dim == 64) ATTEND(4, 0);
+        else if (head_dim == 128 && is_bf16) ATTEND(8, 1);
+        else if (head_dim == 128) ATTEND(8, 0);
+        else ATTEND(head_dim / LANES, is_bf16);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// bf16 RMSNorm and rotary: torch runs each as a chain of small ops; here one pass, rounded like the
+// torch reference step by step, so the two agree bit for bit.
+// ---------------------------------------------------------------------------------------------------
+// RMSNorm of x [rows, H] in fp32: bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w). With residual: x + residual
+// (rounded to bf16) is normed and also written to residual_out.
 void rms_norm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out, bf16 *residual_out,
               int rows, int hidden, float eps)
 {
@@ -60,93 +295,3 @@ void rotary(const bf16 *x, const bf16 *cos_sin, bf16 *out, int tokens, int heads
         }
     }
 }
-
-#ifdef __AVX512BF16__  // paged attention needs AVX-512 with bf16 dot products; kernels.py checks for the symbol
-#include <immintrin.h>
-
-#define MAX_GROUP 8  // query heads per KV head
-
-static inline __m512 exp_nonpositive(__m512 x) {  // e^x for x <= 0: 2^n * e^r, |r| <= ln2/2, rel. error ~1e-7
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.442695041f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    const float taylor[] = { 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f };
-    for (int i = 0; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
-    return _mm512_scalef_ps(p, n);
-}
-
-// Causal attention of packed queries q [T, Hq, D] over the paged caches [num_blocks, block_size, Hkv, D]:
-// the contract of torch_paged_attention (kernels.py sends it decode steps only). A work item is one query
-// and one KV head with its group of query heads. Instead of gathering each context into a padded copy,
-// it reads the cache in place in three passes: scores for 16 keys at a time (a gather of their bf16
-// pairs per step of 2 dims, so no horizontal sums), softmax, then the weighted sum of values.
-// Items never depend on their batch partners: the loop order is the same whatever the batch.
-void paged_attention(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int64_t *block_tables,
-                     const int64_t *seq_lens, const int64_t *query_start_loc, bf16 *out, int num_seqs,
-                     int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                     int max_seq_len, float scale)
-{
-    int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
-    int64_t slot_stride = (int64_t)num_kv_heads * head_dim;  // one token's row in the cache, in bf16s
-    #pragma omp parallel
-    {
-        float scores[group][max_seq_len + 16];  // per thread, on its stack
-        int64_t slot[max_seq_len + 16];  // each key's cache slot
-        #pragma omp for schedule(static)
-        for (int64_t item = 0; item < (int64_t)num_tokens * num_kv_heads; item++) {
-            int t = (int)(item / num_kv_heads), kv_head = (int)(item % num_kv_heads), b = 0;
-            while (query_start_loc[b + 1] <= t) b++;
-            int q_len = (int)(query_start_loc[b + 1] - query_start_loc[b]);
-            int num_keys = (int)seq_lens[b] - q_len + (t - (int)query_start_loc[b]) + 1;  // keys 0..position
-            const int64_t *table = block_tables + (int64_t)b * max_blocks;
-            for (int l = 0, block = 0, offset = 0; l < num_keys + 16; l++) {  // padding keys repeat key 0
-                slot[l] = l < num_keys ? table[block] * block_size + offset : slot[0];
-                if (++offset == block_size) offset = 0, block++;
-            }
-            const uint32_t *q_pairs = (const uint32_t *)(q + ((int64_t)t * num_heads + kv_head * group) * head_dim);
-            const int *k_pairs = (const int *)(k_cache + kv_head * head_dim);
-            for (int l0 = 0; l0 < num_keys; l0 += 16) {
-                int32_t index[16];  // of each key's first bf16 pair (kernels.py keeps it below 2^31)
-                for (int j = 0; j < 16; j++) index[j] = (int32_t)(slot[l0 + j] * slot_stride / 2);
-                __m512i pair_index = _mm512_loadu_si512(index);
-                __m512 acc[MAX_GROUP];
-                for (int g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
-                for (int p = 0; p < head_dim / 2; p++) {
-                    __m512bh keys = (__m512bh)_mm512_i32gather_epi32(pair_index, k_pairs + p, 4);
-                    for (int g = 0; g < group; g++)
-                        acc[g] = _mm512_dpbf16_ps(acc[g], keys,
-                                                  (__m512bh)_mm512_set1_epi32(q_pairs[g * head_dim / 2 + p]));
-                }
-                for (int g = 0; g < group; g++) _mm512_storeu_ps(&scores[g][l0], _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
-            }
-            float inv_total[MAX_GROUP];
-            for (int g = 0; g < group; g++) {
-                for (int l = num_keys; l < num_keys + 16; l++) scores[g][l] = -INFINITY;
-                __m512 max = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-                for (int l0 = 0; l0 < num_keys; l0 += 16) max = _mm512_max_ps(max, _mm512_loadu_ps(&scores[g][l0]));
-                __m512 max_all = _mm512_set1_ps(_mm512_reduce_max_ps(max));
-                for (int l0 = 0; l0 < num_keys; l0 += 16) {
-                    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&scores[g][l0]), max_all));
-                    _mm512_storeu_ps(&scores[g][l0], e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                inv_total[g] = 1.0f / _mm512_reduce_add_ps(sum);
-            }
-            for (int d0 = 0; d0 < head_dim; d0 += 16) {
-                __m512 acc[MAX_GROUP];
-                for (int g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
-                const bf16 *v_column = v_cache + kv_head * head_dim + d0;
-                for (int l = 0; l < num_keys; l++) {
-                    __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(v_column + slot[l] * slot_stride)));
-                    for (int g = 0; g < group; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][l]), v, acc[g]);
-                }
-                for (int g = 0; g < group; g++) {
-                    __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g], _mm512_set1_ps(inv_total[g])));
-                    _mm256_storeu_si256((__m256i *)(out + ((int64_t)t * num_heads + kv_head * group + g) * head_dim + d0), (__m256i)o);
-                }
-            }
-        }
-    }
-}
-#endif

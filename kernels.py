@@ -1,14 +1,15 @@
-# The hot ops of every forward: paged KV store, unified varlen paged attention, RMSNorm, rotary,
-# SiLU-and-mul, and the rejection-sampling steps. Each op has a plain-torch reference (`torch_*`) and,
-# where it pays on a GPU, a Triton kernel (`triton_*`) with the same signature; for bf16 on a CPU, some
-# have a C kernel (`c_*`, cpu_kernels.c). One public function per op picks. Never pick Triton for a CPU
-# tensor unless forced (tests under TRITON_INTERPRET=1).
+# The hot ops of every forward: linear layers, paged KV store, unified varlen paged attention, RMSNorm,
+# rotary, SiLU-and-mul, and the rejection-sampling steps. Each op has a plain-torch reference (`torch_*`),
+# a Triton kernel (`triton_*`) for GPUs and, on CPUs, C kernels (`c_*`, cpu_kernels.c) where they pay.
+# One public function per op picks, by one rule (`pick`). Every implementation computes a row the same
+# way whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless
+# forced (tests under TRITON_INTERPRET=1).
 import ctypes
 import hashlib
 import os
 import subprocess
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +36,6 @@ class AttentionContext:
     query_start_loc: torch.Tensor  # [B+1] cu_seqlens of the packed queries
     max_q_len: int                 # host-side maxima, so no op needs a device->host sync
     max_seq_len: int
-    torch_plan: "list[TorchAttentionGroup] | None" = None  # index work the torch path derives once per step
 
 
 _context: AttentionContext | None = None
@@ -52,10 +52,30 @@ def get_context() -> AttentionContext:
 
 
 # ---------------------------------------------------------------------------------------------
-# C kernels for bf16 on the CPU (cpu_kernels.c): compiled on first use with the system's C compiler
-# into the cache dir, called through ctypes. Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the
-# torch references below run instead.
+# The CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c
+# is compiled on first use with the system's C compiler into the cache dir and called through
+# ctypes. Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead.
 # ---------------------------------------------------------------------------------------------
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"],
+             "generic": []}
+ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}, "generic": set()}
+
+
+def cpu_isa() -> str:
+    """The widest ISA this CPU runs, or NANOSPEC_ISA (avx512, avx2, generic): a big CPU can behave
+    like a small one (set ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA too, for torch's own kernels)."""
+    forced = os.environ.get("NANOSPEC_ISA")
+    if forced:
+        if forced not in ISA_FLAGS:
+            raise ValueError(f"NANOSPEC_ISA={forced!r}: choose from {', '.join(ISA_FLAGS)}")
+        return forced
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):  # not Linux, or no flags line: the portable build
+        flags = set()
+    return next(isa for isa, needs in ISA_NEEDS.items() if needs <= flags)
+
+
 def cache_dir() -> Path:
     """nanospec's cache (the converted default model, the built C kernels): $NANOSPEC_CACHE or ~/.cache/nanospec."""
     return Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
@@ -65,25 +85,26 @@ def _load_cpu_kernels():
     source = Path(__file__).with_name("cpu_kernels.c")  # missing where a non-editable install kept only .py files
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
-    cache = cache_dir()
-    library = cache / f"cpu_kernels-{hashlib.sha1(source.read_bytes()).hexdigest()[:12]}.so"
+    command = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
+               "-Wno-psabi", *ISA_FLAGS[cpu_isa()], str(source)]
+    # Keyed by source, compiler and ISA flags: a cache on a shared disk never loads another CPU's build.
+    key = hashlib.sha1(source.read_bytes() + " ".join(command).encode()).hexdigest()[:12]
+    library = cache_dir() / f"cpu_kernels-{cpu_isa()}-{key}.so"
     if not library.exists():
         partial = library.with_suffix(f".{os.getpid()}.tmp")  # rename: concurrent builds never see half a file
-        command = [os.environ.get("CC", "cc"), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                   str(source), "-o", str(partial)]
         try:  # no compiler, a failed build or an unwritable cache dir: the torch path still works
-            cache.mkdir(parents=True, exist_ok=True)
-            subprocess.run(command, check=True, capture_output=True)
+            library.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(command + ["-o", str(partial)], check=True, capture_output=True)
             partial.rename(library)
         except (OSError, subprocess.CalledProcessError) as error:
             warnings.warn(f"nanospec: could not build {source.name} ({error}); using the torch CPU path")
             return None
     lib = ctypes.CDLL(str(library))
-    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5
+    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32]
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
-    lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [ctypes.c_int64]
-    if hasattr(lib, "paged_attention"):  # built only where the CPU has AVX-512 bf16 dot products
-        lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 7 + [f32]
+    lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
     return lib
 
 
@@ -98,52 +119,133 @@ def cpu_kernels():
     return _cpu_lib
 
 
-def use_c(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and not FORCE_TRITON and cpu_kernels() is not None
-
-
-def c_rms_norm(x, weight, eps, residual=None):
-    """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (bf16, CPU)."""
-    x, out = x.contiguous(), torch.empty_like(x)
-    residual, residual_out = (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
-    pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, residual_out)]
-    cpu_kernels().rms_norm(*pointers, x.numel() // x.shape[-1], x.shape[-1], eps)
-    return out if residual is None else (out, residual_out)
-
-
-C_ATTENTION_MAX_Q = 2  # each query reads its context on its own: past 2 per sequence, SDPA's GEMMs win
-
-
-def c_attention_fits(q, k_cache, max_q_len) -> bool:
-    """The C paged attention serves decode steps (and K=1 verification) in bf16 with AVX-512 bf16."""
-    return (use_c(q) and hasattr(cpu_kernels(), "paged_attention") and max_q_len <= C_ATTENTION_MAX_Q
-            and q.shape[-1] % 32 == 0 and q.shape[1] // k_cache.shape[2] <= 8
-            and k_cache.is_contiguous() and k_cache.numel() < 2**32)  # the kernel's int32 gather offsets
-
-
-def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len):
-    """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (bf16, CPU)."""
-    q = q.contiguous()
-    tables, seq_lens, starts = (t.to(torch.int64).contiguous() for t in (block_tables, seq_lens, query_start_loc))
-    out = torch.empty_like(q)
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    cpu_kernels().paged_attention(*(t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)),
-                                  len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
-                                  max_seq_len, scale)
-    return out
-
-
-def c_rotary(x, cos_sin):
-    """cpu_kernels.c's rotary; same contract as torch_rotary (bf16, CPU)."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        x = x.contiguous()
-    out = x.new_empty(x.shape)
-    cpu_kernels().rotary(x.data_ptr(), cos_sin.contiguous().data_ptr(), out.data_ptr(), *x.shape, x.stride(0))
-    return out
+def kernels_summary(dtype: torch.dtype, device) -> str:
+    """What runs the ops, for the CLI's and bench.py's reports."""
+    if torch.device(device).type == "cuda":
+        return "triton"
+    c = f"C kernels ({cpu_isa()})" if cpu_kernels() is not None else "torch (no C kernels)"
+    return f"{c}, {torch.get_num_threads()} threads"
 
 
 # ---------------------------------------------------------------------------------------------
-# Torch reference ops (also the fast CPU path: batched across sequences, no per-token loops).
+# The rule, for every op: Triton on CUDA (or forced in tests); on a CPU the C kernel where the op
+# has one for this dtype and the library built; the torch reference otherwise.
+# ---------------------------------------------------------------------------------------------
+C_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pick(x: torch.Tensor, triton_fn, c_fn, torch_fn):
+    if use_triton(x):
+        return triton_fn
+    if c_fn is not None and x.device.type == "cpu" and x.dtype in C_DTYPES and cpu_kernels() is not None:
+        return c_fn
+    return torch_fn
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    return pick(k, triton_store_kv, None, torch_store_kv)(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    bf16_c = c_rms_norm if x.dtype == weight.dtype == torch.bfloat16 else None  # fp32: torch's one op
+    return pick(x, triton_rms_norm, bf16_c, torch_rms_norm)(x, weight, eps, residual)
+
+
+def rotary(x, cos_sin):
+    bf16_c = c_rotary if x.dtype == cos_sin.dtype == torch.bfloat16 else None
+    return pick(x, triton_rotary, bf16_c, torch_rotary)(x, cos_sin)
+
+
+def silu_mul(x):
+    return pick(x, triton_silu_mul, None, torch_silu_mul)(x)
+
+
+def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
+    fn = pick(target_probs, triton_rejection_sample, None, torch_rejection_sample)
+    return fn(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise)
+
+
+def attention(q, k, v, k_cache, v_cache, scale):
+    """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
+    ctx = get_context()
+    store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
+    fn = pick(q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention)
+    return fn(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
+              ctx.max_q_len, ctx.max_seq_len)
+
+
+def linear(x, layer: "Linear"):
+    """y = x W^T + b, row-invariant. The C kernel reads the weight as packed panels (Linear.packed)."""
+    if layer.packed is not None:  # packed at load time, where pick() chose the C kernels
+        return c_linear(x, layer.packed, layer.bias, layer.out_features)
+    if use_triton(x):  # cuBLAS: not yet row-invariant on GPUs (a fixed-tile Triton matmul is planned)
+        return F.linear(x, layer.weight, layer.bias)
+    return torch_linear(x, layer.weight, layer.bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers. Models are built from plain nn.Linear; load_model swaps each for a Linear, which
+# on a CPU with the C kernels holds its weight packed once at load time for the weight-streaming
+# kernel (and the nn.Linear weight is dropped, unless shared with an embedding).
+# ---------------------------------------------------------------------------------------------
+class Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = None if packed is not None else weight
+        self.bias, self.packed = bias, packed
+
+    def forward(self, x):
+        return linear(x, self)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels [ceil(N / 16), K, 16]: panel p, row k holds W[16p : 16p + 16, k] (zero-padded)."""
+    n, k = weight.shape
+    padded = weight.new_zeros(-(-n // 16) * 16, k)
+    padded[:n] = weight
+    return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+
+
+def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:
+    """Swap every nn.Linear for a Linear, packed for the C kernels when they run here (pack=False keeps
+    plain weights, for code that reads them). A weight shared by several layers is packed once."""
+    packed = {}
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            weight = child.weight.detach()
+            c_runs = pack and pick(weight, "triton", "c", "torch") == "c"
+            if c_runs and weight.data_ptr() not in packed:
+                packed[weight.data_ptr()] = pack_weight(weight)
+            bias = None if child.bias is None else child.bias.detach()
+            setattr(module, name, Linear(weight, bias, packed[weight.data_ptr()] if c_runs else None))
+    return model
+
+
+def torch_linear(x, weight, bias=None):
+    """F.linear one row at a time: BLAS picks its kernel, and so its summation order, by the number of
+    rows, so a row must always be computed in a call of one row."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.stack([F.linear(row, weight, bias) for row in rows]) if len(rows) else \
+        x.new_empty(0, weight.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def c_linear(x, packed, bias, out_features):
+    """cpu_kernels.c's linear: each output one fp32 FMA chain over k, the weights streamed once per call."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = x.new_empty(rows.shape[0], out_features)
+    cpu_kernels().linear(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                         out.data_ptr(), rows.shape[0], out_features, rows.shape[1],
+                         x.dtype == torch.bfloat16, packed.dtype == torch.bfloat16, torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged attention, store_kv, norms, rotary, activations: torch references and C kernels.
 # ---------------------------------------------------------------------------------------------
 def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
     """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot -1 = skip."""
@@ -154,154 +256,41 @@ def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
-@dataclass(slots=True)
-class TorchAttentionGroup:
-    """Sequences the torch path attends in one padded SDPA call; derived once per step, reused by
-    every layer. Short queries (decode, verify, draft catch-up) share a group; each long prefill
-    chunk gets its own, so one 2k-token chunk never pads every decode row to 2k queries."""
-    tokens: torch.Tensor | None  # [Tg] packed query rows of the group (None: every row, in order)
-    blocks: torch.Tensor         # [Bg, ceil(Lg / block_size)] block ids of each context (-1 -> 0)
-    max_len: int                 # Lg, the longest context in the group
-    row: torch.Tensor | None     # [Tg] row of each query in the padded [Bg * max_q] layout (None: no padding)
-    mask: torch.Tensor | None    # [Bg, 1, max_q (x group_size if folded), Lg] 0 where queries may attend,
-    #                              -inf elsewhere; None: no mask, or see is_causal
-    max_q: int
-    is_causal: bool              # one prompt with nothing cached: SDPA's own causal mask, which skips work
-    first_block: int | None = None  # one sequence on consecutive block ids: its context is a slice, no gather
-    # Gather buffers reused by every layer: a fresh multi-MB tensor per layer costs page faults.
-    buffers: list = field(default_factory=list)
-
-
-SHORT_QUERY = 16  # queries per sequence up to which sequences share one padded attention call
-
-
-def torch_attention_plan(q, k_cache, block_tables, seq_lens, query_start_loc) -> list[TorchAttentionGroup]:
-    """q: this step's queries of any layer (their head count and dtype shape the masks)."""
-    block_size, group_size = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    q_lens = [end - start for start, end in zip(starts, starts[1:])]
-    short = [b for b, n in enumerate(q_lens) if 0 < n <= SHORT_QUERY]
-    groups = (split_by_length(short, lens) if short else []) + [[b] for b, n in enumerate(q_lens) if n > SHORT_QUERY]
-    whole = len(groups) == 1 and len(groups[0]) == len(q_lens)
-    return [_attention_group(g, block_tables, starts, q_lens, lens, block_size, group_size, q.dtype, whole)
-            for g in groups]
-
-
-def split_by_length(seqs: list[int], lens: list[int], min_group: int = 4) -> list[list[int]]:
-    """One padded SDPA costs (sequences x longest context), in gathers and in attention: a batch of
-    300- and 900-token contexts is cheaper as two calls. Cut the length-sorted sequences where that
-    saves at least a quarter of the padded keys (each call has a fixed cost), then try each half."""
-    order = sorted(seqs, key=lambda b: lens[b])
-    cuts = range(min_group, len(order) - min_group + 1)
-    if not cuts:
-        return [seqs]
-    padded = lambda i: i * lens[order[i - 1]] + (len(order) - i) * lens[order[-1]]  # noqa: E731
-    cut = min(cuts, key=padded)
-    if padded(cut) > 0.75 * len(order) * lens[order[-1]]:
-        return [seqs]
-    return split_by_length(order[:cut], lens, min_group) + split_by_length(order[cut:], lens, min_group)
-
-
-def _attention_group(seqs, block_tables, starts, q_lens, lens, block_size, group_size, dtype, whole):
-    device = block_tables.device
-    max_q, max_len = max(q_lens[b] for b in seqs), max(lens[b] for b in seqs)
-    tables = block_tables if whole else block_tables[torch.tensor(seqs, device=device)]
-    blocks = tables[:, :-(-max_len // block_size)].clamp_min(0).long()  # padding blocks are masked off
-    tokens = None if whole else torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in seqs]).to(device)
-    uniform = all(q_lens[b] == max_q for b in seqs)  # decode, or verify with one K: no padding needed
-    row = None if uniform else torch.cat([torch.arange(q_lens[b]) + i * max_q for i, b in enumerate(seqs)]).to(device)
-    is_causal = len(seqs) == 1 and max_q == max_len > 1  # a whole prompt at once: SDPA's own causal mask
-    mask = None if is_causal else _additive_mask([lens[b] - q_lens[b] for b in seqs], max_q, max_len,
-                                                 group_size, dtype, device)
-    first_block = consecutive_start(blocks[0]) if len(seqs) == 1 else None
-    return TorchAttentionGroup(tokens, blocks, max_len, row, mask, max_q, is_causal, first_block)
-
-
-def _additive_mask(first_pos: list[int], max_q, max_len, group_size, dtype, device) -> torch.Tensor | None:
-    """Key l is visible to query j of a sequence whose queries start at first_pos iff l <= first_pos + j.
-    Returns [Bg, 1, max_q (x group_size if folded), Lg], 0 where visible and -inf elsewhere, or None
-    when every query sees every key."""
-    query_pos = torch.tensor(first_pos, device=device)[:, None] + torch.arange(max_q, device=device)
-    mask = torch.arange(max_len, device=device)[None, None, :] <= query_pos[:, :, None]
-    if bool(mask.all()):
-        return None
-    if folds_heads(max_q, group_size):  # row g * max_q + j of the folded layout is query j
-        mask = mask.repeat(1, group_size, 1)
-    # Additive, in the queries' dtype: SDPA would otherwise convert a boolean mask in every layer.
-    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))[:, None]
-
-
-def consecutive_start(block_ids: torch.Tensor) -> int | None:
-    """The first id if block_ids run consecutively (the usual case for a lone sequence: the block
-    manager hands out low ids first), else None."""
-    first = int(block_ids[0])
-    return first if bool((block_ids == torch.arange(first, first + len(block_ids))).all()) else None
-
-
-def folds_heads(max_q: int, group_size: int) -> bool:
-    """Several queries per sequence with GQA (verification): SDPA gets each KV head's group of query
-    heads folded into its query rows, [Bg, Hkv, group_size * max_q, D], one head per KV head; on CPU
-    that ran about 2x faster than enable_gqa. Single queries (decode) are faster unfolded."""
-    return max_q > 1 and group_size > 1
-
-
-def _attend_group(q, k_cache, v_cache, group: TorchAttentionGroup, scale):
-    """Gather the group's contexts, pad its queries to [Bg, max_q], one batched SDPA."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = group.blocks.shape[0]
-
-    if not group.buffers and group.first_block is None:
-        shape = (group.blocks.numel(), *k_cache.shape[1:])
-        group.buffers = [k_cache.new_empty(shape), v_cache.new_empty(shape)]
-
-    def gather(cache, which):
-        if group.first_block is not None:  # consecutive blocks: the context is a view, nothing copied
-            out = cache[group.first_block:group.first_block + group.blocks.shape[1]]
-        else:  # whole blocks at a time: far faster than gathering single slots on CPU
-            out = torch.index_select(cache, 0, group.blocks.flatten(), out=group.buffers[which])
-        return out.view(num_seqs, -1, *cache.shape[2:])[:, :group.max_len].transpose(1, 2)
-
-    k, v = gather(k_cache, 0), gather(v_cache, 1)
-    if group.row is None:
-        q_pad = q.view(num_seqs, group.max_q, num_heads, head_dim)
-    else:
-        q_pad = q.new_zeros(num_seqs * group.max_q, num_heads, head_dim)
-        q_pad[group.row] = q
-        q_pad = q_pad.view(num_seqs, group.max_q, num_heads, head_dim)
-    num_kv_heads, max_q = k.shape[1], group.max_q
-    group_size = num_heads // num_kv_heads
-    if group.is_causal or not folds_heads(max_q, group_size):
-        out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
-                                             is_causal=group.is_causal, enable_gqa=group_size > 1)
-        out = out.transpose(1, 2)
-    else:
-        q_fold = q_pad.view(num_seqs, max_q, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q_fold.reshape(num_seqs, num_kv_heads, -1, head_dim), k, v,
-                                             attn_mask=group.mask, scale=scale)
-        out = out.view(num_seqs, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(num_seqs * max_q, num_heads, head_dim)
-    return out if group.row is None else out[group.row]
-
-
-def torch_attend(q, k_cache, v_cache, plan: list[TorchAttentionGroup], scale):
-    if len(plan) == 1 and plan[0].tokens is None:
-        return _attend_group(q, k_cache, v_cache, plan[0], scale)
-    out = q.new_zeros(q.shape)
-    for group in plan:
-        out[group.tokens] = _attend_group(q[group.tokens], k_cache, v_cache, group, scale)
-    return out
-
-
 def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                          max_q_len, max_seq_len):
+                          max_q_len=None, max_seq_len=None):
     """Causal attention of packed queries q [T, Hq, D] over the paged cache -> [T, Hq, D].
 
     Query j of sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it.
+    Each query is attended on its own, over exactly its keys: the same shapes, so the same arithmetic,
+    whatever the step around it (decode, verification, a prefill chunk).
     """
-    if q.shape[0] == 0:
-        return q.new_empty(q.shape)
-    plan = torch_attention_plan(q, k_cache, block_tables, seq_lens, query_start_loc)
-    return torch_attend(q, k_cache, v_cache, plan, scale)
+    out = torch.empty_like(q)
+    group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        positions = torch.arange(seq_len, device=q.device)
+        slots = block_tables[b, positions // block_size].long() * block_size + positions % block_size
+        keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+        for t in range(starts[b], starts[b + 1]):
+            num_keys = seq_len - (starts[b + 1] - t) + 1
+            scores = torch.einsum("hd,lhd->hl", q[t].float(), keys[:num_keys]) * scale
+            out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values[:num_keys]).to(q.dtype)
+    return out
+
+
+def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                      max_q_len=None, max_seq_len=None):
+    """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (fp32 or bf16)."""
+    q = q.contiguous()
+    tables, seq_lens, starts = (t.to(torch.int64).contiguous() for t in (block_tables, seq_lens, query_start_loc))
+    out = torch.empty_like(q)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
+    cpu_kernels().paged_attention(*(t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)),
+                                  len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
+                                  scale, q.dtype == torch.bfloat16, torch.get_num_threads())
+    return out
 
 
 def torch_rms_norm(x, weight, eps, residual=None):
@@ -313,12 +302,30 @@ def torch_rms_norm(x, weight, eps, residual=None):
     return normed if residual is None else (normed, residual)
 
 
+def c_rms_norm(x, weight, eps, residual=None):
+    """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (bf16, CPU)."""
+    x, out = x.contiguous(), torch.empty_like(x)
+    residual, residual_out = (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
+    pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, residual_out)]
+    cpu_kernels().rms_norm(*pointers, x.numel() // x.shape[-1], x.shape[-1], eps)
+    return out if residual is None else (out, residual_out)
+
+
 def torch_rotary(x, cos_sin):
     """Neox-style rotary on x [T, H, D] (a layer's q and k heads side by side, so one call rotates
     both); cos_sin [T, D] = [cos | sin] at each token's position, already in x's dtype."""
     cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def c_rotary(x, cos_sin):
+    """cpu_kernels.c's rotary; same contract as torch_rotary (bf16, CPU)."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    out = x.new_empty(x.shape)
+    cpu_kernels().rotary(x.data_ptr(), cos_sin.contiguous().data_ptr(), out.data_ptr(), *x.shape, x.stride(0))
+    return out
 
 
 def torch_silu_mul(x):
@@ -355,88 +362,6 @@ def torch_rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, 
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
     dist = torch.where((num_accepted < num_drafts)[:, None], residual, p_next)
     return num_accepted, (dist / exp_noise).argmax(-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Public ops: one dispatch point each.
-# ---------------------------------------------------------------------------------------------
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    fn = triton_store_kv if use_triton(k) else torch_store_kv
-    return fn(k, v, k_cache, v_cache, slot_mapping)
-
-
-def rms_norm(x, weight, eps, residual=None):
-    fn = triton_rms_norm if use_triton(x) else c_rms_norm if use_c(x) and weight.dtype == x.dtype else torch_rms_norm
-    return fn(x, weight, eps, residual)
-
-
-def rotary(x, cos_sin):
-    fn = triton_rotary if use_triton(x) else c_rotary if use_c(x) and cos_sin.dtype == x.dtype else torch_rotary
-    return fn(x, cos_sin)
-
-
-def silu_mul(x):
-    fn = triton_silu_mul if use_triton(x) else torch_silu_mul
-    return fn(x)
-
-
-def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
-    fn = triton_rejection_sample if use_triton(target_probs) else torch_rejection_sample
-    return fn(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise)
-
-
-def attention(q, k, v, k_cache, v_cache, scale):
-    """What a model's attention layer calls, and paged attention's dispatch point: store this step's
-    K/V, then attend over the cache. The torch path reuses the step's index plan across layers."""
-    ctx = get_context()
-    store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-    if use_triton(q):
-        return triton_paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
-                                      ctx.query_start_loc, scale, ctx.max_q_len, ctx.max_seq_len)
-    if c_attention_fits(q, k_cache, ctx.max_q_len):
-        return c_paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                 scale, ctx.max_seq_len)
-    if ctx.torch_plan is None:  # the first layer derives the index work; the other layers reuse it
-        ctx.torch_plan = torch_attention_plan(q, k_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)
-    return torch_attend(q, k_cache, v_cache, ctx.torch_plan, scale)
-
-
-# ---------------------------------------------------------------------------------------------
-# Linear layers on the CPU. Models are built from plain nn.Linear; in bfloat16 on a CPU that oneDNN
-# supports, load_model swaps each for a PrepackedLinear. F.linear hands oneDNN the row-major weight,
-# which it re-blocks for its AMX / AVX-512 kernels on every call; reordering once at load time made
-# the matmuls of a SmolLM2-135M decode step about 1.4x faster (BENCHMARKS.md).
-# ---------------------------------------------------------------------------------------------
-class PrepackedLinear(nn.Module):
-    # oneDNN tunes the blocked layout for a row count; 16 measured fastest for every count from 1 to 33.
-    ROWS_HINT = 16
-
-    def __init__(self, packed_weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.packed_weight, self.bias = packed_weight, bias  # opaque oneDNN tensor: only this op reads it
-
-    def forward(self, x):
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-
-def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def prepack_linears(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear whose weight can be prepacked; a weight shared by several layers (a tied
-    lm_head, an MLP speculator's tied heads) is packed once and stays shared."""
-    packed = {}
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and can_prepack(child.weight):
-                key = child.weight.data_ptr()
-                if key not in packed:
-                    packed[key] = torch.ops.mkldnn._reorder_linear_weight(child.weight.detach(),
-                                                                          PrepackedLinear.ROWS_HINT)
-                setattr(module, name, PrepackedLinear(packed[key], child.bias))
-    return model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     num_spec_tokens: int | None = None  # per-request K (0: this request never speculates)
+    logprobs: int | None = None  # per token: the sampled token's and the N most likely tokens' log-probs
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,6 +47,7 @@ class SamplingParams:
             "max_tokens": self.max_tokens >= 1,
             "stop": all(isinstance(s, str) and s for s in self.stop or []),
             "num_spec_tokens": self.num_spec_tokens is None or self.num_spec_tokens >= 0,
+            "logprobs": self.logprobs is None or self.logprobs >= 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -64,8 +66,11 @@ class Sequence:
         self.num_draft_cached = 0    # the same for the draft model (may lag)
         self.block_table: list[int] = []
         self.last_hidden = None      # target hidden state that produced the last token (MLP proposer)
-        seed = params.seed if params.seed is not None else torch.randint(2**62, ()).item()
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        # The seed keys the noise of each position (position_noise); unseeded requests also draw
+        # the rejection sampler's uniforms and noise from the generator.
+        self.seed = params.seed if params.seed is not None else torch.randint(2**62, ()).item()
+        self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.text: str | None = None  # set at finish; truncated at a stop string
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
@@ -89,6 +94,7 @@ class RequestOutput:
     num_draft_tokens: int
     num_accepted_tokens: int
     num_spec_steps: int
+    logprobs: list[dict[int, float]] | None  # per output token (SamplingParams.logprobs), else None
     accepted_per_position: dict   # position -> share of steps whose drafts were accepted through it
     drafted_per_position: dict    # position -> steps that drafted a token there
     ttft: float
@@ -109,6 +115,8 @@ class ScheduledSeq:
         return self.seq.num_cached + self.num_tokens == len(self.seq)
 
 
+REJECTION_CHUNK_BYTES = 2**28  # bounds the rejection sampler's probability tensors per call
+
 # ---------------------------------------------------------------------------------------------
 # Sampling: probabilities after temperature / top-k / top-p, and the exponential race.
 # ---------------------------------------------------------------------------------------------
@@ -121,18 +129,23 @@ def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
     greedy = temperature == 0
     probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-    if any(p.top_k > 0 or p.top_p < 1 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=logits.device)[:, None]
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)[:, None]
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[-1], device=logits.device)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop = ((top_k > 0) & (rank >= top_k)) | ((top_p < 1) & (mass_before >= top_p))
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0))
-        probs /= probs.sum(-1, keepdim=True)
+    filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]  # only these are renormalised
+    if filtered:
+        probs[filtered] = top_k_top_p(probs[filtered], [params[i] for i in filtered])
     if greedy.any():
         probs[greedy] = one_hot_argmax(logits[greedy])
     return probs
+
+
+def top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    top_k = torch.tensor([p.top_k for p in params], device=probs.device)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=probs.device)[:, None]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    drop = ((top_k > 0) & (rank >= top_k)) | ((top_p < 1) & (mass_before >= top_p))
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0))
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -140,32 +153,66 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def exp_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor:
-    """[len(seqs), vocab] Exp(1) noise, each row from its request's own generator: argmax(p / noise)
-    samples p (no host sync), and the same seed gives the same draws whatever else is in the batch.
-    Greedy rows need no noise."""
+    """[len(seqs), vocab] Exp(1) noise from each request's own generator, for the rejection sampler
+    (unseeded requests). Greedy rows need no noise."""
     return torch.stack([torch.ones(vocab, device=device) if s.params.temperature == 0 else
-                        torch.empty(vocab, device=device).exponential_(generator=s.generator) for s in seqs])
+                        clamped(torch.empty(vocab, device=device).exponential_(generator=s.generator))
+                        for s in seqs])
 
 
-def sample(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    return (probs / exp_noise(seqs, probs.shape[-1], probs.device)).argmax(-1)
+def clamped(noise: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws away from 0: some devices return exact zeros, and 0 / 0 would win the argmax."""
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def accept_greedy(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """The rejection sampler when every target distribution is one-hot at its argmax: accept drafts
-    while they equal the argmax, then emit the argmax after the last accepted one (the recovered or
-    the bonus token). Same result, without building [rows, vocab] probabilities (about 3 ms a K=8
-    step on the default model)."""
+def position_noise(seq: Sequence, position: int, vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise for the token at `position` of seq, from a generator keyed by (seed, position):
+    plain decoding and every speculative step draw the same noise for the same token."""
+    generator = torch.Generator(device=device).manual_seed(hash((seq.seed, position)) % 2**63)
+    return clamped(torch.empty(vocab, device=device).exponential_(generator=generator))
+
+
+def sample_at(probs: torch.Tensor, seq: Sequence, position: int) -> int:
+    """The exponential race argmax(p / E) with the position's noise: an exact sample from p."""
+    if seq.params.temperature == 0:
+        return int(probs.argmax())
+    return int((probs / position_noise(seq, position, probs.shape[-1], probs.device)).argmax())
+
+
+def couples(seq: Sequence) -> bool:
+    """Greedy and seeded requests take the coupled acceptance (accept_coupled): their tokens equal
+    plain decoding's whatever K, proposer or batch. Unseeded sampling takes the rejection sampler,
+    which accepts model drafts more often."""
+    return seq.params.temperature == 0 or seq.params.seed is not None
+
+
+def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The token at each position is the target's own sample there: the argmax of the logits (greedy)
+    or argmax(p / E) with the position's noise E. A draft is accepted iff it equals that token; the
+    token after the last accepted draft is emitted (the recovered or the bonus token). An exact sample
+    from the target; one-hot drafts are accepted with probability p(d), as rejection sampling does."""
     best = logits.max(-1).indices.tolist()  # the step's one host sync; max: 2x faster than bf16 argmax
     num_accepted, next_tokens, row = [], [], 0
     for it in sampling:
+        def target_token(j: int) -> int:  # of row j: the token at position len(seq) + j
+            if it.seq.params.temperature == 0:
+                return best[row + j]
+            return sample_at(logits_to_probs(logits[row + j][None], [it.seq])[0], it.seq, len(it.seq) + j)
         n = 0
-        while n < len(it.drafts) and it.drafts[n] == best[row + n]:
+        while n < len(it.drafts) and it.drafts[n] == target_token(n):
             n += 1
         num_accepted.append(n)
-        next_tokens.append(best[row + n])
+        next_tokens.append(target_token(n))
         row += len(it.drafts) + 1
     return num_accepted, next_tokens
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, float]:
+    """vLLM's logprobs: log_softmax of the raw logits (before temperature, top-k, top-p) for the sampled
+    token and the top_n most likely ones."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = [token] + logprobs.topk(top_n).indices.tolist() if top_n else [token]
+    return {i: logprobs[i].item() for i in ids}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,13 +529,13 @@ class LLMEngine:
     def append_drafts(self, items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
         """Sample one draft token per item from the draft's probabilities (same temperature,
         top-k and top-p as the target) and keep those probabilities for the rejection sampler."""
-        seqs = [item.seq for item in items]
-        probs = logits_to_probs(logits, seqs)
-        tokens = sample(probs, seqs)
-        for item, token, p in zip(items, tokens.tolist(), probs):
-            item.drafts.append(token)
+        probs = logits_to_probs(logits, [item.seq for item in items])
+        for item, p in zip(items, probs):
+            # The noise of the position the draft is for: where the target samples with the same noise
+            # (accept_coupled), the draft agrees with it as often as it can.
+            item.drafts.append(sample_at(p, item.seq, len(item.seq) + len(item.drafts)))
             item.draft_probs = p[None] if item.draft_probs is None else torch.cat([item.draft_probs, p[None]])
-        return tokens
+        return torch.tensor([item.drafts[-1] for item in items], device=logits.device)
 
     # -- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -525,20 +572,34 @@ class LLMEngine:
         rows = torch.tensor([r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)],
                             device=self.device)
         logits = self.model.lm_head(hidden[rows])
-        num_accepted, next_tokens = self.accept(sampling, logits)
         finished = []
         row = 0
-        for it, n, token in zip(sampling, num_accepted, next_tokens):
-            self.commit(it, n, token, hidden[rows[row + n]])
+        for it, (n, token) in zip(sampling, self.accept(sampling, logits)):
+            self.commit(it, n, token, hidden[rows[row + n]], logits[row:row + n + 1])
             row += len(it.drafts) + 1
             if it.seq.finish_reason is not None:
                 finished.append(it.seq)
         return finished
 
-    def accept(self, sampling: list[ScheduledSeq], logits: torch.Tensor):
-        """Rejection sampling over the padded batch -> (num_accepted, next_token) per sequence."""
-        if all(it.seq.params.temperature == 0 for it in sampling):
-            return accept_greedy(sampling, logits)
+    def accept(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[int, int]]:
+        """(num_accepted, next_token) per sequence: coupled acceptance for greedy and seeded requests,
+        the rejection sampler for the others, in chunks that bound its [rows, K+1, V] fp32 tensors."""
+        starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
+        coupled = [i for i, it in enumerate(sampling) if couples(it.seq)]
+        others = [i for i, it in enumerate(sampling) if not couples(it.seq)]
+        per_chunk = max(1, REJECTION_CHUNK_BYTES // (8 * logits.shape[-1] * max(starts[i + 1] - starts[i]
+                                                                                 for i in range(len(sampling)))))
+        groups = [(coupled, accept_coupled)] + [(others[i:i + per_chunk], self.rejection_sample)
+                                                 for i in range(0, len(others), per_chunk)]
+        results = {}
+        for group, accept in groups:
+            if group:
+                rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in group]).to(logits.device)
+                results.update(zip(group, zip(*accept([sampling[i] for i in group], logits[rows]))))
+        return [results[i] for i in range(len(sampling))]
+
+    def rejection_sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor):
+        """Standard rejection sampling over the padded batch -> (num_accepted, next_token) lists."""
         max_k = max(len(it.drafts) for it in sampling)
         vocab = logits.shape[-1]
         seqs_per_row = [it.seq for it in sampling for _ in range(len(it.drafts) + 1)]
@@ -563,7 +624,9 @@ class LLMEngine:
         return num_accepted.tolist(), next_tokens.tolist()
 
     # -- commit -----------------------------------------------------------------------------
-    def commit(self, it: ScheduledSeq, num_accepted: int, token: int, hidden_row: torch.Tensor):
+    def commit(self, it: ScheduledSeq, num_accepted: int, token: int, hidden_row: torch.Tensor,
+               logits: torch.Tensor):
+        """logits: the rows that produced the accepted drafts and the next token, one per token."""
         seq, k = it.seq, len(it.drafts)
         # The last token and the accepted drafts now have valid K/V; rejected slots get overwritten later.
         seq.num_cached = len(seq) + num_accepted
@@ -579,8 +642,10 @@ class LLMEngine:
             seq.accepted_per_position.update(range(num_accepted))
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        for t in it.drafts[:num_accepted] + [token]:
+        for t, row in zip(it.drafts[:num_accepted] + [token], logits):
             seq.token_ids.append(t)
+            if seq.logprobs is not None:
+                seq.logprobs.append(token_logprobs(row, t, seq.params.logprobs))
             if self.check_stop(seq):
                 break
         if seq.finish_reason is None:
@@ -613,7 +678,7 @@ class LLMEngine:
         n = len(seq.output_ids)
         return RequestOutput(
             seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, seq.text, seq.finish_reason,
-            seq.num_drafted, seq.num_accepted, seq.num_spec_steps,
+            seq.num_drafted, seq.num_accepted, seq.num_spec_steps, seq.logprobs,
             {i: seq.accepted_per_position[i] / seq.drafted_per_position[i] for i in sorted(seq.drafted_per_position)},
             dict(seq.drafted_per_position),
             ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(n - 1, 1),
@@ -674,6 +739,7 @@ def parse_args(argv=None):
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--spec-disable-batch-size", type=int,
                    help="run without speculation while more than this many sequences are running")
+    p.add_argument("--logprobs", type=int, help="log-probabilities of each token and the N most likely (--json)")
     p.add_argument("--json", help="write one JSON object per request to this file")
     return p.parse_args(argv)
 
@@ -732,7 +798,8 @@ def main(argv=None) -> int:
     try:
         k = args.num_spec_tokens if args.num_spec_tokens == "auto" else int(args.num_spec_tokens)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                                logprobs=args.logprobs)
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -64,7 +64,7 @@ def new_speculator(target_path: str, n_predict: int) -> tuple[MLPSpeculator, dic
     lm_head. The embedding stays frozen. The head is fine-tuned (slowly, HEAD_LR_SCALE): it reads
     GELU outputs, which are never below -0.17, where the target's lm_head reads signed hidden states
     (frozen, the chat recipe's losses per head were 3.75 4.26 4.66; fine-tuned, 2.69 3.02 3.27)."""
-    target, _ = load_model(target_path, torch.float32)  # plain fp32 weights (the engine's may be prepacked)
+    target, _ = load_model(target_path, torch.float32, pack=False)  # readable weights: the engine's are packed
     config = dict(model_type="mlp_speculator", architectures=["MLPSpeculatorPreTrainedModel"],
                   emb_dim=target.hidden_size, inner_dim=0, n_predict=n_predict, vocab_size=target.vocab_size,
                   tie_weights=True, scale_input=True, torch_dtype="float32")

@@ -7,7 +7,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from kernels import prepack_linears
+from kernels import use_linears
 from models.llama import LlamaForCausalLM
 from models.opt import OPTForCausalLM
 
@@ -97,8 +97,9 @@ def load_weights(model: torch.nn.Module, path: str, dtype: torch.dtype, device):
     model.load_state_dict({name: state[name] for name in expected}, assign=True)
 
 
-def load_model(path: str, dtype="auto", device="cpu"):
-    """Build the model on the meta device (no memory, no init), then assign the checkpoint's tensors."""
+def load_model(path: str, dtype="auto", device="cpu", pack=True):
+    """Build the model on the meta device (no memory, no init), then assign the checkpoint's tensors.
+    pack=False keeps every linear's weight readable (for training code), not packed for the C kernels."""
     config = read_config(path)
     archs = config.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
@@ -112,7 +113,7 @@ def load_model(path: str, dtype="auto", device="cpu"):
     except KeyError as e:
         raise ValueError(f"{path}/config.json: missing field {e.args[0]!r}") from None
     load_weights(model, path, dtype, device)
-    return prepack_linears(model.to(device).eval()), config
+    return use_linears(model.to(device).eval(), pack), config
 
 
 class Tokenizer:

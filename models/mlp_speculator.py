@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from kernels import prepack_linears
+from kernels import use_linears
 from models import read_checkpoint, resolve_dtype
 
 # Optional, beside the ibm-fms layout: the token ids a reduced head scores (other engines ignore the file).
@@ -108,7 +108,7 @@ def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
     vocab_file = os.path.join(path, VOCAB_FILE)
     if os.path.exists(vocab_file):
         model.restrict_vocab(read_vocab(vocab_file, model.vocab_size))
-    return prepack_linears(model.to(device).eval())
+    return use_linears(model.to(device).eval())
 
 
 def read_vocab(vocab_file: str, vocab_size: int) -> torch.Tensor:

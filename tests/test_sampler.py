@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import torch_rejection_sample
-from nanospec import SamplingParams, Sequence, accept_greedy, logits_to_probs
+from nanospec import SamplingParams, Sequence, accept_coupled, logits_to_probs
 
 V, LENGTH = 5, 3  # vocabulary, and how many tokens each simulated generation keeps
 
@@ -123,9 +123,10 @@ def test_greedy_reduces_to_argmax_matching():
         assert (n.item(), tok.item()) == expected
     # The engine's greedy shortcut gives the same answers, for a batch whose rows have different K.
     cases = (([1, 0], (2, 2)), ([1, 2], (1, 0)), ([0, 0], (0, 1)), ([1], (1, 0)), ([], (0, 1)))
-    items = [SimpleNamespace(drafts=drafts) for drafts, _ in cases]
+    greedy_seq = Sequence([1], SamplingParams(temperature=0), "cpu")
+    items = [SimpleNamespace(drafts=drafts, seq=greedy_seq) for drafts, _ in cases]
     logits = torch.cat([p[0, :len(drafts) + 1].log() for drafts, _ in cases])
-    num_accepted, next_tokens = accept_greedy(items, logits)
+    num_accepted, next_tokens = accept_coupled(items, logits)
     assert list(zip(num_accepted, next_tokens)) == [expected for _, expected in cases]
 
 
