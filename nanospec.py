@@ -79,6 +79,15 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def phase(self) -> str:
+        """finished; decoding: it has sampled, and only its last token lacks K/V (a step may speculate:
+        the MLP proposer needs the hidden state that sampled it); else prefilling (prompt or recompute)."""
+        if self.finish_reason is not None:
+            return "finished"
+        decoding = self.num_cached == len(self) - 1 and len(self) > self.num_prompt_tokens
+        return "decoding" if decoding else "prefilling"
+
 
 @dataclass
 class RequestOutput:
@@ -101,12 +110,9 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int                  # tokens of seq.token_ids fed this step (prefill chunk, or 1)
     num_spec: int                    # lookahead slots reserved for drafts this step
+    samples: bool                    # this step reaches the end of the sequence, so it emits tokens
     drafts: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(drafts), V]; None = one-hot drafts (n-gram)
-
-    @property
-    def samples(self) -> bool:  # does this step reach the end of the sequence (and so emit tokens)?
-        return self.seq.num_cached + self.num_tokens == len(self.seq)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,9 +369,6 @@ class LLMEngine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens but the context is {self.max_model_len} "
                              f"(max_model_len): it must leave room for at least one new token")
-        if isinstance(self.proposer, MLPProposer) and (params.num_spec_tokens or 0) > self.proposer.model.n_predict:
-            raise ValueError(f"SamplingParams.num_spec_tokens {params.num_spec_tokens} exceeds the speculator's "
-                             f"n_predict {self.proposer.model.n_predict}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         needed = self.blocks.blocks_for(min(len(prompt) + params.max_tokens, self.max_model_len))
@@ -434,9 +437,10 @@ class LLMEngine:
             if seq not in self.running or budget == 0:
                 continue  # preempted earlier in this loop, or no token budget left
             num_tokens = min(len(seq) - seq.num_cached, budget)
-            decoding = num_tokens == 1 and seq.num_cached == len(seq) - 1
-            k = seq.params.num_spec_tokens if seq.params.num_spec_tokens is not None else engine_k
-            k = min(k, budget - num_tokens, self.max_model_len - len(seq)) if decoding and self.proposer else 0
+            # A request's own K is a cap: it never speculates while the engine chose K = 0.
+            request_k = engine_k if seq.params.num_spec_tokens is None else seq.params.num_spec_tokens
+            k = min(engine_k, request_k, budget - num_tokens, self.max_model_len - len(seq))
+            k = k if seq.phase == "decoding" else 0
             while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + k):
                 if k > 0:
                     k -= 1  # shrink the lookahead before preempting anyone
@@ -445,7 +449,7 @@ class LLMEngine:
                 if seq not in self.running:
                     break
             if seq in self.running:
-                scheduled.append(ScheduledSeq(seq, num_tokens, k))
+                scheduled.append(ScheduledSeq(seq, num_tokens, k, seq.num_cached + num_tokens == len(seq)))
                 budget -= num_tokens + k
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -453,7 +457,7 @@ class LLMEngine:
             if not self.blocks.ensure_slots(seq, num_tokens):
                 break
             self.running.append(self.waiting.popleft())
-            scheduled.append(ScheduledSeq(seq, num_tokens, 0))
+            scheduled.append(ScheduledSeq(seq, num_tokens, 0, num_tokens == len(seq)))
             budget -= num_tokens
         return scheduled
 

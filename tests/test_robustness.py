@@ -1,0 +1,63 @@
+# Every request mix runs or fails clearly (issue 16): each test here failed before its fix. Output equals
+# plain decoding, or the error is a ValueError (exit 2 at the CLI) naming the problem; nothing leaks.
+import json
+
+import pytest
+import torch
+
+import tiny
+from models import Tokenizer
+from nanospec import LLM, SamplingParams, main
+from test_engine import GREEDY, prompts
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    tiny.write_checkpoint(path, tiny.llama_like())
+    tiny.write_char_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return LLM(target, dtype="float32", block_size=4, num_blocks=128)
+
+
+def test_mlp_proposer_after_a_one_token_last_prefill_chunk(target, plain, tmp_path):
+    """A 9-token prompt with a budget of 8 ends its prefill with a one-token chunk: that step samples the
+    first token, but no hidden state has sampled anything yet, so the MLP speculator must not run."""
+    tiny.write_mlp_speculator(tmp_path, emb_dim=64, n_predict=4)
+    llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=8,
+              draft=f"mlp:{tmp_path}", num_spec_tokens=3)
+    prompt = list(range(10, 19))
+    assert llm.generate([prompt], GREEDY, use_progress=False)[0].token_ids == \
+        plain.generate([prompt], GREEDY, use_progress=False)[0].token_ids
+
+
+def test_request_k_is_a_cap_not_a_switch(target):
+    """Two requests asking for K = 2 never speculate while the batch is above spec_disable_batch_size,
+    nor when the engine's own K is 0."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_spec_tokens=2)
+    for engine_args in (dict(num_spec_tokens=3, spec_disable_batch_size=1), dict(num_spec_tokens=0)):
+        llm = LLM(target, dtype="float32", block_size=4, num_blocks=64, draft="ngram", **engine_args)
+        outs = llm.generate([[5, 6, 7] * 3, [8, 9] * 4], params, use_progress=False)
+        assert [o.num_draft_tokens for o in outs] == [0, 0]
+    alone = llm.generate([[5, 6, 7] * 3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                         use_progress=False)[0]
+    assert alone.num_draft_tokens == 0
+
+
+def test_samples_is_decided_at_schedule_time(target, plain):
+    """A prefill chunk scheduled before a sampling sequence must not be mistaken for one after the step
+    moved its num_cached (the chunk here is half the prompt: num_cached + num_tokens then equals len)."""
+    llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=5)
+    schedule = llm.schedule
+    llm.schedule = lambda: schedule()[::-1]  # chunks first
+    first = llm.add_request([5, 6, 7], GREEDY)
+    llm.step()
+    second = llm.add_request(list(range(10, 18)), GREEDY)
+    while llm.has_unfinished():
+        llm.step()
+    expected = plain.generate([[5, 6, 7], list(range(10, 18))], GREEDY, use_progress=False)
+    assert [first.output_ids, second.output_ids] == [o.token_ids for o in expected]
