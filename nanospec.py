@@ -46,6 +46,7 @@ class SamplingParams:
             "max_tokens": self.max_tokens >= 1,
             "stop": all(isinstance(s, str) and s for s in self.stop or []),
             "num_spec_tokens": self.num_spec_tokens is None or self.num_spec_tokens >= 0,
+            "seed": self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2**64,  # torch takes
         }
         for name, ok in checks.items():
             if not ok:
@@ -634,19 +635,19 @@ class LLM(LLMEngine):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        from rich.progress import Progress
         seqs = []
         try:
             for prompt, params in zip(prompts, sampling_params):
                 seqs.append(self.add_request(prompt, params))
-        except ValueError:
-            for seq in seqs:  # a bad request in the list leaves nothing behind
+            with Progress(transient=True, disable=not use_progress) as progress:
+                task = progress.add_task("generating", total=len(seqs))
+                while any(seq.phase != "finished" for seq in seqs):
+                    progress.advance(task, len(self.step()))
+        except BaseException:  # a bad request, a failed step, Ctrl-C: leave no request and no block behind
+            for seq in seqs:
                 self.abort(seq)
             raise
-        from rich.progress import Progress
-        with Progress(transient=True, disable=not use_progress) as progress:
-            task = progress.add_task("generating", total=len(seqs))
-            while any(seq.finish_reason is None for seq in seqs):
-                progress.advance(task, len(self.step()))
         return [self.output(seq) for seq in seqs]
 
 

@@ -48,6 +48,31 @@ def test_request_k_is_a_cap_not_a_switch(target):
     assert alone.num_draft_tokens == 0
 
 
+@pytest.mark.parametrize("seed", [2**70, -1, 1.5])
+def test_seed_torch_cannot_take_is_a_value_error(seed):
+    with pytest.raises(ValueError, match=f"SamplingParams.seed has an invalid value: {seed}"):
+        SamplingParams(seed=seed)
+
+
+def test_a_failing_step_leaves_the_engine_clean(target, plain):
+    llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, draft="ngram", num_spec_tokens=3)
+    real_forward, calls = llm.forward, []
+
+    def failing_forward(model, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return real_forward(model, batch)
+
+    llm.forward = failing_forward
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(prompts(4), GREEDY, use_progress=False)
+    assert not llm.has_unfinished() and llm.blocks.num_free_blocks == llm.blocks.num_blocks
+    llm.forward = real_forward
+    expected = [o.token_ids for o in plain.generate(prompts(4), GREEDY, use_progress=False)]
+    assert [o.token_ids for o in llm.generate(prompts(4), GREEDY, use_progress=False)] == expected
+
+
 def test_samples_is_decided_at_schedule_time(target, plain):
     """A prefill chunk scheduled before a sampling sequence must not be mistaken for one after the step
     moved its num_cached (the chunk here is half the prompt: num_cached + num_tokens then equals len)."""
