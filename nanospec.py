@@ -185,8 +185,6 @@ class NgramProposer:
     (on the grounded bench prompts, first-match drafts gave 3.26 tokens per step against 3.02)."""
 
     def __init__(self, min_n: int, max_n: int):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, engine, items: list[ScheduledSeq]):
@@ -299,6 +297,22 @@ class LLMEngine:
                  num_blocks: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs=64,
                  max_num_batched_tokens=2048, max_model_len: int | None = None, draft: str | None = None,
                  num_spec_tokens=0, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None):
+        k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
+        for ok, problem in [  # checked before any model loads
+            (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
+            (max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {max_num_seqs}"),
+            (kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {kv_cache_gib}"),
+            (num_blocks is None or num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"),
+            (num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
+             f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}"),
+            (not num_spec_tokens or draft not in (None, "", "none"),
+             "num_spec_tokens > 0 needs a draft: 'ngram', a model folder or 'mlp:PATH'"),
+            (max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one token "
+                                                      f"plus {k} drafts, got {max_num_batched_tokens}"),
+            (1 <= ngram_min <= ngram_max, f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}"),
+        ]:
+            if not ok:
+                raise ValueError(problem)
         if model is None:
             from models.gguf import default_model_path
             model = default_model_path()
@@ -309,21 +323,21 @@ class LLMEngine:
         self.eos_ids = eos_token_ids(self.config, self.tokenizer)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = min(max_model_len or 10**9, self.model.max_position_embeddings)
         self.num_spec_tokens = num_spec_tokens
         self.spec_disable_batch_size = spec_disable_batch_size
         self.proposer = self.make_proposer(draft, ngram_min, ngram_max)
-        if num_spec_tokens != "auto" and not (isinstance(num_spec_tokens, int) and num_spec_tokens >= 0):
-            raise ValueError(f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}")
-        if num_spec_tokens and self.proposer is None:
-            raise ValueError("num_spec_tokens > 0 needs a draft: 'ngram', a model folder or 'mlp:PATH'")
-        if max_num_batched_tokens < 1 + (num_spec_tokens if num_spec_tokens != "auto" else 8):
-            raise ValueError("max_num_batched_tokens must leave room for one token plus K drafts")
         cache_models = [self.model] + ([self.proposer.model] if isinstance(self.proposer, DraftModelProposer) else [])
+        # The context is the shortest any model can position: the target's, a draft model's, and a
+        # sliding-window model's window (models/llama.py). Asking for more is an error, not a silent cap.
+        limit = min(m.max_position_embeddings for m in cache_models)
+        if (max_model_len or 0) > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds {limit}, the longest context the target "
+                             "and draft models can position (a sliding-window model stops at its window)")
+        self.max_model_len = max_model_len or limit
         if num_blocks is None:  # one pool: a block id costs its K/V in the target and in the draft
             num_blocks = int(kv_cache_gib * 2**30) // bytes_per_block(cache_models, block_size, self.dtype)
         if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+            raise ValueError(f"kv_cache_gib {kv_cache_gib} is too small for one KV block")
         self.kv_caches = [allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device) for m in cache_models]
         self.blocks = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()
@@ -735,7 +749,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     console = Console()
     try:
-        k = args.num_spec_tokens if args.num_spec_tokens == "auto" else int(args.num_spec_tokens)
+        k = int(args.num_spec_tokens) if args.num_spec_tokens.isdigit() else args.num_spec_tokens
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,

@@ -120,6 +120,7 @@ def test_bad_spec_configs(folder, tmp_path):
     (["--temperature", "-1"], "SamplingParams.temperature"),
     (["--max-tokens", "0"], "SamplingParams.max_tokens"),
     (["--max-model-len", "4", "--prompt", "a long prompt here"], "but the context is 4"),
+    (["--block-size", "0"], "block_size must be >= 1"),
 ])
 def test_cli_errors_are_one_line(folder, args, message):
     if "--model" not in args:

@@ -35,6 +35,51 @@ def test_mlp_proposer_after_a_one_token_last_prefill_chunk(target, plain, tmp_pa
         plain.generate([prompt], GREEDY, use_progress=False)[0].token_ids
 
 
+def test_draft_with_a_shorter_context_caps_max_model_len(target, tmp_path):
+    tiny.write_checkpoint(tmp_path, tiny.llama_like(num_hidden_layers=1, max_position_embeddings=32), seed=1)
+    llm = LLM(target, dtype="float32", block_size=4, num_blocks=64, draft=str(tmp_path), num_spec_tokens=3)
+    assert llm.max_model_len == 32
+    short = LLM(target, dtype="float32", block_size=4, num_blocks=64, max_model_len=32)
+    prompt = list(range(10, 30))
+    out = llm.generate([prompt], GREEDY, use_progress=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    assert out.token_ids == short.generate([prompt], GREEDY, use_progress=False)[0].token_ids
+    with pytest.raises(ValueError, match="max_model_len 64 exceeds 32"):
+        LLM(target, dtype="float32", num_blocks=64, draft=str(tmp_path), num_spec_tokens=3, max_model_len=64)
+
+
+BAD_ENGINE_ARGS = [
+    (dict(block_size=0), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(kv_cache_gib=0), "kv_cache_gib"), (dict(num_blocks=0), "num_blocks"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(draft="ngram", num_spec_tokens=4, max_num_batched_tokens=4), "max_num_batched_tokens"),
+    (dict(draft="ngram", num_spec_tokens="3"), "num_spec_tokens"),
+    (dict(draft="ngram", num_spec_tokens=-1), "num_spec_tokens"),
+    (dict(draft="ngram", num_spec_tokens=1.5), "num_spec_tokens"),
+    (dict(num_spec_tokens=2), "needs a draft"),
+    (dict(draft="ngram", ngram_min=0), "ngram_min"),
+    (dict(draft="ngram", ngram_min=3, ngram_max=2), "ngram_min <= ngram_max"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_ENGINE_ARGS)
+def test_bad_engine_args_fail_before_any_model_loads(kwargs, message):
+    with pytest.raises(ValueError, match=message):  # the folder does not exist: nothing was loaded
+        LLM("/no/such/model", **kwargs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block-size", "0"], "block_size"), (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--num-spec-tokens", "x", "--draft", "ngram"], "num_spec_tokens"),
+    (["--ngram-max", "0", "--draft", "ngram"], "ngram_min <= ngram_max"),
+    (["--seed", str(2**70)], "SamplingParams.seed"),
+])
+def test_cli_rejects_bad_engine_args_with_exit_2(args, message, capsys):
+    assert main(["--model", "/no/such/model", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanospec: error:") and message in err and "Traceback" not in err
+
+
 def test_request_k_is_a_cap_not_a_switch(target):
     """Two requests asking for K = 2 never speculate while the batch is above spec_disable_batch_size,
     nor when the engine's own K is 0."""
