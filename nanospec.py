@@ -69,6 +69,7 @@ class Sequence:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.finish_reason: str | None = None
         self.text: str | None = None  # set at finish; truncated at a stop string
+        self.stop_text, self.decode_offsets = "", (self.num_prompt_tokens,) * 2  # for stop strings
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
         self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
@@ -611,11 +612,13 @@ class LLMEngine:
         p, last = seq.params, seq.token_ids[-1]
         if (not p.ignore_eos and last in self.eos_ids) or last in (p.stop_token_ids or ()):
             seq.finish_reason = "stop"
-        elif p.stop:
-            text = self.tokenizer.decode(seq.output_ids)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+        elif p.stop:  # match on the decoded output, searching only where the new text could complete a stop
+            new_text, seq.decode_offsets = self.tokenizer.decode_next(seq.token_ids, *seq.decode_offsets)
+            search_from = max(len(seq.stop_text) - max(map(len, p.stop)) + 1, 0)
+            seq.stop_text += new_text
+            hits = [i for i in (seq.stop_text.find(s, search_from) for s in p.stop) if i >= 0]
             if hits:
-                seq.finish_reason, seq.text = "stop", text[:min(hits)]
+                seq.finish_reason, seq.text = "stop", seq.stop_text[:min(hits)]
         if seq.finish_reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len):
             seq.finish_reason = "length"
         return seq.finish_reason is not None

@@ -131,6 +131,15 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_next(self, ids: list[int], prefix_offset: int, read_offset: int) -> tuple[str, tuple]:
+        """Incremental detokenization: the text ids[read_offset:] add, decoded from prefix_offset (context
+        for spacing), and the next offsets. An incomplete UTF-8 character waits for the next token."""
+        prefix = self.decode(ids[prefix_offset:read_offset])
+        text = self.decode(ids[prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            return text[len(prefix):], (read_offset, len(ids))
+        return "", (prefix_offset, read_offset)
+
     def token_id(self, token) -> int | None:
         if isinstance(token, dict):  # older tokenizer_config.json stores AddedToken dicts
             token = token.get("content")

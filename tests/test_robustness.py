@@ -118,6 +118,32 @@ def test_a_failing_step_leaves_the_engine_clean(target, plain):
     assert [o.token_ids for o in llm.generate(prompts(4), GREEDY, use_progress=False)] == expected
 
 
+def test_stop_strings_decode_incrementally(plain, monkeypatch):
+    """A long request with stop strings decodes each token a bounded number of times, not the whole
+    output again per token (which was quadratic)."""
+    decoded = []
+    real_decode = plain.tokenizer.decode
+    monkeypatch.setattr(plain.tokenizer, "decode", lambda ids: decoded.append(len(ids)) or real_decode(ids))
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=["~~~~~~~~"])
+    out = plain.generate("hello world", params, use_progress=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 200
+    assert sum(decoded) < 10 * 200
+
+
+def test_stop_string_spanning_tokens_inside_an_accepted_run(target, plain):
+    """The char tokenizer makes every stop string span several tokens; with speculation several tokens
+    arrive in one step and the output still ends exactly where plain decoding's does."""
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = plain.generate("hello world", free, use_progress=False)[0]
+    stop = full.text[20:23]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["~~~~", stop])
+    expected = plain.generate("hello world", params, use_progress=False)[0]
+    assert expected.text == full.text[:full.text.find(stop)] and expected.finish_reason == "stop"
+    spec = LLM(target, dtype="float32", block_size=4, num_blocks=128, draft=target, num_spec_tokens=5)
+    out = spec.generate("hello world", params, use_progress=False)[0]
+    assert (out.text, out.token_ids) == (expected.text, expected.token_ids) and out.num_accepted_tokens > 0
+
+
 def test_samples_is_decided_at_schedule_time(target, plain):
     """A prefill chunk scheduled before a sampling sequence must not be mistaken for one after the step
     moved its num_cached (the chunk here is half the prompt: num_cached + num_tokens then equals len)."""
