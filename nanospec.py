@@ -432,12 +432,18 @@ class LLMEngine:
         while tokens <= min(max_tokens, 512, self.blocks.num_blocks * self.block_size, self.max_model_len):
             times = []
             for _ in range(2):
+                self.synchronize()
                 start = time.perf_counter()
                 self.hidden_states([0] * tokens)
+                self.synchronize()
                 times.append(time.perf_counter() - start)
             table[tokens] = min(times)
             tokens *= 2
         return table
+
+    def synchronize(self):  # before reading the clock: CUDA runs asynchronously
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def preempt(self, seq: Sequence):
         """Free the newest sequence's blocks; it is recomputed from its tokens when readmitted."""
@@ -479,7 +485,7 @@ class LLMEngine:
 
     # -- one forward over a varlen batch --------------------------------------------------------
     def forward(self, model, batch: list[tuple[Sequence, list[int], int]]):
-        """batch: (seq, tokens, start position). Returns hidden [T, H] and query_start_loc [B+1]."""
+        """batch: (seq, tokens, start position). Returns hidden [T, H] and host query_start_loc [B+1]."""
         q_lens = [len(tokens) for _, tokens, _ in batch]
         seq_lens = [start + len(tokens) for _, tokens, start in batch]
         input_ids = torch.tensor([t for _, tokens, _ in batch for t in tokens])
@@ -497,7 +503,7 @@ class LLMEngine:
             hidden = model(input_ids.to(dev), positions.to(dev))
         finally:
             set_context(None)
-        return hidden, query_start_loc.to(dev)
+        return hidden, query_start_loc  # on the host: reading row ends from it never syncs the device
 
     def append_drafts(self, items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
         """Sample one draft token per item from the draft's probabilities (same temperature,
@@ -529,8 +535,7 @@ class LLMEngine:
                   it.seq.num_cached) for it in scheduled]
         hidden, query_start = self.forward(self.model, batch)
         if self.chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            self.synchronize()
             now, k = time.perf_counter(), max(it.num_spec for it in scheduled)
             self.chooser.observe_time(self.chooser.verify_time, int(query_start[-1]), now - drafted)
             if speculating:
@@ -541,10 +546,9 @@ class LLMEngine:
                 it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end
         if not sampling:
             return []
-        ends = [query_start[i + 1].item() for i, it in enumerate(scheduled) if it.samples]
-        rows = torch.tensor([r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)],
-                            device=self.device)
-        logits = self.model.lm_head(hidden[rows])
+        ends = [end for it, end in zip(scheduled, query_start[1:].tolist()) if it.samples]
+        rows = [r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)]
+        logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
         num_accepted, next_tokens = self.accept(sampling, logits)
         finished = []
         row = 0

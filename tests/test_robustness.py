@@ -144,6 +144,20 @@ def test_stop_string_spanning_tokens_inside_an_accepted_run(target, plain):
     assert (out.text, out.token_ids) == (expected.text, expected.token_ids) and out.num_accepted_tokens > 0
 
 
+def test_step_reads_row_ends_without_a_host_sync_per_sequence(plain, monkeypatch):
+    for p in prompts(3):
+        plain.add_request(p, GREEDY)
+    plain.step()  # prefill
+
+    def no_item(self):
+        raise AssertionError("Tensor.item() in step")
+    monkeypatch.setattr(torch.Tensor, "item", no_item)
+    assert len(plain.running) == 3 and plain.step() == []
+    monkeypatch.undo()
+    while plain.has_unfinished():
+        plain.step()
+
+
 def test_samples_is_decided_at_schedule_time(target, plain):
     """A prefill chunk scheduled before a sampling sequence must not be mistaken for one after the step
     moved its num_cached (the chunk here is half the prompt: num_cached + num_tokens then equals len)."""
