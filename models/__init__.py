@@ -148,10 +148,14 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self.chat_template:
             raise ValueError("--chat: this model's tokenizer_config.json has no chat_template")
-        import jinja2
-        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
+        import jinja2.sandbox  # a downloaded template is untrusted code: keep it away from Python internals
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         special = {k: self.config.get(k) for k in ("bos_token", "eos_token")}
-        return template.render(messages=messages, add_generation_prompt=True, **special)
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=True, **special)
+        except jinja2.TemplateError as e:  # SecurityError, UndefinedError (an unsafe attribute), syntax
+            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 
 def load_tokenizer(path: str) -> Tokenizer | None:

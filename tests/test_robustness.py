@@ -171,3 +171,16 @@ def test_samples_is_decided_at_schedule_time(target, plain):
         llm.step()
     expected = plain.generate([[5, 6, 7], list(range(10, 18))], GREEDY, use_progress=False)
     assert [first.output_ids, second.output_ids] == [o.token_ids for o in expected]
+
+
+def test_chat_templates_render_in_a_sandbox(tmp_path):
+    tiny.write_char_tokenizer(tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}"}))
+    assert Tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}]) == "<hi>"
+    for escape in ("{{ ''.__class__.__mro__[1].__subclasses__() }}",
+                   "{{ cycler.__init__.__globals__.os.popen('echo pwned').read() }}",
+                   "{{ messages.append(1) }}"):
+        config.write_text(json.dumps({"chat_template": escape}))
+        with pytest.raises(ValueError, match="chat template failed"):
+            Tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}])
