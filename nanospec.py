@@ -48,6 +48,7 @@ class SamplingParams:
             "stop": all(isinstance(s, str) and s for s in self.stop or []),
             "num_spec_tokens": self.num_spec_tokens is None or self.num_spec_tokens >= 0,
             "logprobs": self.logprobs is None or self.logprobs >= 0,
+            "seed": self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2**64,  # torch takes
         }
         for name, ok in checks.items():
             if not ok:
@@ -73,6 +74,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.text: str | None = None  # set at finish; truncated at a stop string
+        self.stop_text, self.decode_offsets = "", (self.num_prompt_tokens,) * 2  # for stop strings
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
         self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
@@ -83,6 +85,15 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def phase(self) -> str:
+        """finished; decoding: it has sampled, and only its last token lacks K/V (a step may speculate:
+        the MLP proposer needs the hidden state that sampled it); else prefilling (prompt or recompute)."""
+        if self.finish_reason is not None:
+            return "finished"
+        decoding = self.num_cached == len(self) - 1 and len(self) > self.num_prompt_tokens
+        return "decoding" if decoding else "prefilling"
 
 
 @dataclass
@@ -107,12 +118,9 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int                  # tokens of seq.token_ids fed this step (prefill chunk, or 1)
     num_spec: int                    # lookahead slots reserved for drafts this step
+    samples: bool                    # this step reaches the end of the sequence, so it emits tokens
     drafts: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(drafts), V]; None = one-hot drafts (n-gram)
-
-    @property
-    def samples(self) -> bool:  # does this step reach the end of the sequence (and so emit tokens)?
-        return self.seq.num_cached + self.num_tokens == len(self.seq)
 
 
 REJECTION_CHUNK_BYTES = 2**28  # bounds the rejection sampler's probability tensors per call
@@ -225,8 +233,6 @@ class NgramProposer:
     (on the grounded bench prompts, first-match drafts gave 3.26 tokens per step against 3.02)."""
 
     def __init__(self, min_n: int, max_n: int):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, engine, items: list[ScheduledSeq]):
@@ -339,6 +345,22 @@ class LLMEngine:
                  num_blocks: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs=64,
                  max_num_batched_tokens=2048, max_model_len: int | None = None, draft: str | None = None,
                  num_spec_tokens=0, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None):
+        k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
+        for ok, problem in [  # checked before any model loads
+            (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
+            (max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {max_num_seqs}"),
+            (kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {kv_cache_gib}"),
+            (num_blocks is None or num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"),
+            (num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
+             f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}"),
+            (not num_spec_tokens or draft not in (None, "", "none"),
+             "num_spec_tokens > 0 needs a draft: 'ngram', a model folder or 'mlp:PATH'"),
+            (max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one token "
+                                                      f"plus {k} drafts, got {max_num_batched_tokens}"),
+            (1 <= ngram_min <= ngram_max, f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}"),
+        ]:
+            if not ok:
+                raise ValueError(problem)
         if model is None:
             from models.gguf import default_model_path
             model = default_model_path()
@@ -349,21 +371,21 @@ class LLMEngine:
         self.eos_ids = eos_token_ids(self.config, self.tokenizer)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = min(max_model_len or 10**9, self.model.max_position_embeddings)
         self.num_spec_tokens = num_spec_tokens
         self.spec_disable_batch_size = spec_disable_batch_size
         self.proposer = self.make_proposer(draft, ngram_min, ngram_max)
-        if num_spec_tokens != "auto" and not (isinstance(num_spec_tokens, int) and num_spec_tokens >= 0):
-            raise ValueError(f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}")
-        if num_spec_tokens and self.proposer is None:
-            raise ValueError("num_spec_tokens > 0 needs a draft: 'ngram', a model folder or 'mlp:PATH'")
-        if max_num_batched_tokens < 1 + (num_spec_tokens if num_spec_tokens != "auto" else 8):
-            raise ValueError("max_num_batched_tokens must leave room for one token plus K drafts")
         cache_models = [self.model] + ([self.proposer.model] if isinstance(self.proposer, DraftModelProposer) else [])
+        # The context is the shortest any model can position: the target's, a draft model's, and a
+        # sliding-window model's window (models/llama.py). Asking for more is an error, not a silent cap.
+        limit = min(m.max_position_embeddings for m in cache_models)
+        if (max_model_len or 0) > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds {limit}, the longest context the target "
+                             "and draft models can position (a sliding-window model stops at its window)")
+        self.max_model_len = max_model_len or limit
         if num_blocks is None:  # one pool: a block id costs its K/V in the target and in the draft
             num_blocks = int(kv_cache_gib * 2**30) // bytes_per_block(cache_models, block_size, self.dtype)
         if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+            raise ValueError(f"kv_cache_gib {kv_cache_gib} is too small for one KV block")
         self.kv_caches = [allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device) for m in cache_models]
         self.blocks = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()
@@ -410,9 +432,6 @@ class LLMEngine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens but the context is {self.max_model_len} "
                              f"(max_model_len): it must leave room for at least one new token")
-        if isinstance(self.proposer, MLPProposer) and (params.num_spec_tokens or 0) > self.proposer.model.n_predict:
-            raise ValueError(f"SamplingParams.num_spec_tokens {params.num_spec_tokens} exceeds the speculator's "
-                             f"n_predict {self.proposer.model.n_predict}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         needed = self.blocks.blocks_for(min(len(prompt) + params.max_tokens, self.max_model_len))
@@ -460,12 +479,18 @@ class LLMEngine:
         while tokens <= min(max_tokens, 512, self.blocks.num_blocks * self.block_size, self.max_model_len):
             times = []
             for _ in range(2):
+                self.synchronize()
                 start = time.perf_counter()
                 self.hidden_states([0] * tokens)
+                self.synchronize()
                 times.append(time.perf_counter() - start)
             table[tokens] = min(times)
             tokens *= 2
         return table
+
+    def synchronize(self):  # before reading the clock: CUDA runs asynchronously
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def preempt(self, seq: Sequence):
         """Free the newest sequence's blocks; it is recomputed from its tokens when readmitted."""
@@ -481,9 +506,10 @@ class LLMEngine:
             if seq not in self.running or budget == 0:
                 continue  # preempted earlier in this loop, or no token budget left
             num_tokens = min(len(seq) - seq.num_cached, budget)
-            decoding = num_tokens == 1 and seq.num_cached == len(seq) - 1
-            k = seq.params.num_spec_tokens if seq.params.num_spec_tokens is not None else engine_k
-            k = min(k, budget - num_tokens, self.max_model_len - len(seq)) if decoding and self.proposer else 0
+            # A request's own K is a cap: it never speculates while the engine chose K = 0.
+            request_k = engine_k if seq.params.num_spec_tokens is None else seq.params.num_spec_tokens
+            k = min(engine_k, request_k, budget - num_tokens, self.max_model_len - len(seq))
+            k = k if seq.phase == "decoding" else 0
             while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + k):
                 if k > 0:
                     k -= 1  # shrink the lookahead before preempting anyone
@@ -492,7 +518,7 @@ class LLMEngine:
                 if seq not in self.running:
                     break
             if seq in self.running:
-                scheduled.append(ScheduledSeq(seq, num_tokens, k))
+                scheduled.append(ScheduledSeq(seq, num_tokens, k, seq.num_cached + num_tokens == len(seq)))
                 budget -= num_tokens + k
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -500,13 +526,13 @@ class LLMEngine:
             if not self.blocks.ensure_slots(seq, num_tokens):
                 break
             self.running.append(self.waiting.popleft())
-            scheduled.append(ScheduledSeq(seq, num_tokens, 0))
+            scheduled.append(ScheduledSeq(seq, num_tokens, 0, num_tokens == len(seq)))
             budget -= num_tokens
         return scheduled
 
     # -- one forward over a varlen batch --------------------------------------------------------
     def forward(self, model, batch: list[tuple[Sequence, list[int], int]]):
-        """batch: (seq, tokens, start position). Returns hidden [T, H] and query_start_loc [B+1]."""
+        """batch: (seq, tokens, start position). Returns hidden [T, H] and host query_start_loc [B+1]."""
         q_lens = [len(tokens) for _, tokens, _ in batch]
         seq_lens = [start + len(tokens) for _, tokens, start in batch]
         input_ids = torch.tensor([t for _, tokens, _ in batch for t in tokens])
@@ -524,7 +550,7 @@ class LLMEngine:
             hidden = model(input_ids.to(dev), positions.to(dev))
         finally:
             set_context(None)
-        return hidden, query_start_loc.to(dev)
+        return hidden, query_start_loc  # on the host: reading row ends from it never syncs the device
 
     def append_drafts(self, items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
         """Sample one draft token per item from the draft's probabilities (same temperature,
@@ -556,8 +582,7 @@ class LLMEngine:
                   it.seq.num_cached) for it in scheduled]
         hidden, query_start = self.forward(self.model, batch)
         if self.chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            self.synchronize()
             now, k = time.perf_counter(), max(it.num_spec for it in scheduled)
             self.chooser.observe_time(self.chooser.verify_time, int(query_start[-1]), now - drafted)
             if speculating:
@@ -568,10 +593,9 @@ class LLMEngine:
                 it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end
         if not sampling:
             return []
-        ends = [query_start[i + 1].item() for i, it in enumerate(scheduled) if it.samples]
-        rows = torch.tensor([r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)],
-                            device=self.device)
-        logits = self.model.lm_head(hidden[rows])
+        ends = [end for it, end in zip(scheduled, query_start[1:].tolist()) if it.samples]
+        rows = [r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)]
+        logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
         finished = []
         row = 0
         for it, (n, token) in zip(sampling, self.accept(sampling, logits)):
@@ -657,11 +681,13 @@ class LLMEngine:
         p, last = seq.params, seq.token_ids[-1]
         if (not p.ignore_eos and last in self.eos_ids) or last in (p.stop_token_ids or ()):
             seq.finish_reason = "stop"
-        elif p.stop:
-            text = self.tokenizer.decode(seq.output_ids)
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+        elif p.stop:  # match on the decoded output, searching only where the new text could complete a stop
+            new_text, seq.decode_offsets = self.tokenizer.decode_next(seq.token_ids, *seq.decode_offsets)
+            search_from = max(len(seq.stop_text) - max(map(len, p.stop)) + 1, 0)
+            seq.stop_text += new_text
+            hits = [i for i in (seq.stop_text.find(s, search_from) for s in p.stop) if i >= 0]
             if hits:
-                seq.finish_reason, seq.text = "stop", text[:min(hits)]
+                seq.finish_reason, seq.text = "stop", seq.stop_text[:min(hits)]
         if seq.finish_reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len):
             seq.finish_reason = "length"
         return seq.finish_reason is not None
@@ -695,19 +721,19 @@ class LLM(LLMEngine):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        from rich.progress import Progress
         seqs = []
         try:
             for prompt, params in zip(prompts, sampling_params):
                 seqs.append(self.add_request(prompt, params))
-        except ValueError:
-            for seq in seqs:  # a bad request in the list leaves nothing behind
+            with Progress(transient=True, disable=not use_progress) as progress:
+                task = progress.add_task("generating", total=len(seqs))
+                while any(seq.phase != "finished" for seq in seqs):
+                    progress.advance(task, len(self.step()))
+        except BaseException:  # a bad request, a failed step, Ctrl-C: leave no request and no block behind
+            for seq in seqs:
                 self.abort(seq)
             raise
-        from rich.progress import Progress
-        with Progress(transient=True, disable=not use_progress) as progress:
-            task = progress.add_task("generating", total=len(seqs))
-            while any(seq.finish_reason is None for seq in seqs):
-                progress.advance(task, len(self.step()))
         return [self.output(seq) for seq in seqs]
 
 
@@ -796,7 +822,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     console = Console()
     try:
-        k = args.num_spec_tokens if args.num_spec_tokens == "auto" else int(args.num_spec_tokens)
+        k = int(args.num_spec_tokens) if args.num_spec_tokens.isdigit() else args.num_spec_tokens
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
                                 logprobs=args.logprobs)

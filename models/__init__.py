@@ -132,6 +132,15 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_next(self, ids: list[int], prefix_offset: int, read_offset: int) -> tuple[str, tuple]:
+        """Incremental detokenization: the text ids[read_offset:] add, decoded from prefix_offset (context
+        for spacing), and the next offsets. An incomplete UTF-8 character waits for the next token."""
+        prefix = self.decode(ids[prefix_offset:read_offset])
+        text = self.decode(ids[prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            return text[len(prefix):], (read_offset, len(ids))
+        return "", (prefix_offset, read_offset)
+
     def token_id(self, token) -> int | None:
         if isinstance(token, dict):  # older tokenizer_config.json stores AddedToken dicts
             token = token.get("content")
@@ -140,10 +149,14 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self.chat_template:
             raise ValueError("--chat: this model's tokenizer_config.json has no chat_template")
-        import jinja2
-        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
+        import jinja2.sandbox  # a downloaded template is untrusted code: keep it away from Python internals
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         special = {k: self.config.get(k) for k in ("bos_token", "eos_token")}
-        return template.render(messages=messages, add_generation_prompt=True, **special)
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=True, **special)
+        except jinja2.TemplateError as e:  # SecurityError, UndefinedError (an unsafe attribute), syntax
+            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 
 def load_tokenizer(path: str) -> Tokenizer | None:

@@ -80,8 +80,10 @@ def test_low_precision_dtypes_track_float32(dtype, tmp_path):
 
 def test_sliding_window_caps_the_context(tmp_path):
     """Sliding-window attention is not implemented, so the context stops at the window (where full
-    attention is exact) instead of silently attending past it."""
+    attention is exact) instead of silently attending past it; asking for more is an error."""
     tiny.write_checkpoint(tmp_path, tiny.llama_like("MistralForCausalLM", sliding_window=8))
+    with pytest.raises(ValueError, match="max_model_len 16 exceeds 8.*sliding-window"):
+        LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=16, max_model_len=16)
     llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=16)
     assert llm.max_model_len == 8
     with pytest.raises(ValueError, match="the context is 8"):
