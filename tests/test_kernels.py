@@ -132,33 +132,6 @@ def test_paged_attention(batch, kv_segments, block_size, num_heads, num_kv_heads
     assert_triton_matches_torch("paged_attention", *args, dtype=dtype)
 
 
-def test_torch_attention_splits_spread_contexts_without_changing_results(monkeypatch):
-    """Short queries over very different context lengths are attended in several padded calls."""
-    seqs = [(8, 1), (150, 1), (12, 3), (140, 1), (10, 1), (160, 5), (9, 1), (145, 3), (11, 1), (155, 1)]
-    args = make_paged_batch(seqs, 4, 6, 2, 16, torch.float32)
-    q, k_cache, _, block_tables, seq_lens, query_start_loc = args[:6]
-    assert len(kernels.torch_attention_plan(q, k_cache, block_tables, seq_lens, query_start_loc)) > 1
-    assert_triton_matches_torch("paged_attention", *args, dtype=torch.float32)
-    split = kernels.torch_paged_attention(*args)
-    monkeypatch.setattr(kernels, "split_by_length", lambda seqs, lens: [seqs])
-    torch.testing.assert_close(split, kernels.torch_paged_attention(*args))
-
-
-@pytest.mark.parametrize("seq", [(45, 1), (45, 5), (45, 45), (44, 20)])  # decode, verify, prompt, chunk
-def test_torch_attention_reads_consecutive_blocks_in_place(seq, monkeypatch):
-    """A lone sequence on consecutive block ids attends over a view of the cache (no gather)."""
-    args = list(make_paged_batch([seq], 4, 6, 2, 16, torch.float32))
-    num_blocks = -(-seq[0] // 4)
-    args[3][0, :num_blocks] = torch.arange(1, 1 + num_blocks)  # blocks 1..n of the pool, in order
-    q, k_cache, _, block_tables, seq_lens, query_start_loc = args[:6]
-    [group] = kernels.torch_attention_plan(q, k_cache, block_tables, seq_lens, query_start_loc)
-    assert group.first_block == 1
-    assert_triton_matches_torch("paged_attention", *args, dtype=torch.float32)
-    in_place = kernels.torch_paged_attention(*args)
-    monkeypatch.setattr(kernels, "consecutive_start", lambda block_ids: None)
-    torch.testing.assert_close(in_place, kernels.torch_paged_attention(*args))
-
-
 def test_paged_attention_empty_batch():
     args = make_paged_batch([(5, 0), (9, 0)], 4, 2, 2, 16, torch.float32)
     assert kernels.triton_paged_attention(*args).shape == (0, 2, 16)
@@ -206,36 +179,35 @@ def test_silu_mul(num_tokens, inter, dtype):
 # --------------------------------------------------------------------------------------------
 needs_c_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None,
                                      reason="cpu_kernels.c did not build here (no C compiler?)")
-needs_c_attention = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "paged_attention"),
-                                       reason="the C paged attention needs AVX-512 with bf16 dot products")
 
 
-@needs_c_attention
+@needs_c_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [  # GQA ratios 1, 3, 4, 8
-    (2, 2, 32), (9, 3, 64), (4, 1, 128), (8, 1, 64)])
-@pytest.mark.parametrize("seqs", [
-    [(1, 1), (33, 1), (130, 1), (16, 1), (17, 1)],                  # decode, at and past 16-key tiles
-    [(45, 9), (19, 1), (70, 16), (9, 0), (150, 3), (200, 5)],       # verification, an empty query
-], ids=["decode", "verify"])
-def test_c_paged_attention_matches_torch(seqs, block_size, num_heads, num_kv_heads, head_dim):
-    args = make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, torch.bfloat16)
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, _, max_seq_len = args
-    with nan_filled_outputs():  # the kernel itself handles any query length; dispatch limits it
-        got = kernels.c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                        max_seq_len)
-    torch.testing.assert_close(got, kernels.torch_paged_attention(*args), **TOLERANCE[torch.bfloat16])
+    (2, 2, 32), (9, 3, 64), (4, 1, 128), (8, 1, 16)])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_c_paged_attention_matches_torch(batch, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    """One C kernel for every query shape: prefill chunks, whole prompts, decode, verification."""
+    args = make_paged_batch(BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype)
+    with nan_filled_outputs():
+        got = kernels.c_paged_attention(*args)
+    torch.testing.assert_close(got, kernels.torch_paged_attention(*args), **TOLERANCE[dtype])
 
 
-@needs_c_attention
-def test_c_paged_attention_serves_decode_steps_only():
-    """Decode steps take the C kernel; longer queries (verify with K > 1, prefill) take SDPA's plan."""
-    q = torch.randn(1, 9, 64).bfloat16()
-    k_cache = torch.randn(4, 16, 3, 64).bfloat16()
-    assert kernels.c_attention_fits(q, k_cache, max_q_len=kernels.C_ATTENTION_MAX_Q)
-    assert not kernels.c_attention_fits(q, k_cache, max_q_len=kernels.C_ATTENTION_MAX_Q + 1)
-    assert not kernels.c_attention_fits(q.float(), k_cache.float(), max_q_len=1)
-    assert not kernels.c_attention_fits(q[..., :48], k_cache[..., :48], max_q_len=1)  # head_dim % 32
+@needs_c_kernels
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "bf16-w"])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 20), (7, 96, 64), (300, 160, 576), (0, 16, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_c_linear_matches_f_linear(rows, n, k, bias, x_dtype, w_dtype):
+    weight = (0.1 * torch.randn(n, k)).to(w_dtype)
+    b = torch.randn(n).to(x_dtype) if bias else None
+    x = torch.randn(rows, k).to(x_dtype)
+    with nan_filled_outputs():
+        got = kernels.c_linear(x, kernels.pack_weight(weight), b, n)
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[x_dtype])
 
 
 @needs_c_kernels
@@ -262,23 +234,42 @@ def test_c_rotary_equals_torch_bit_for_bit(num_tokens, num_heads, num_kv_heads, 
 
 
 def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
-    """bf16 CPU tensors take the C kernel when it built; fp32 never does; with no compiler (or the
-    switch off) the torch path runs, after a warning that names the file."""
+    """CPU tensors take the C kernel when it built (RMSNorm: bf16 only); with no compiler (or the switch
+    off) the torch path runs, after a warning that names the file; linears are then not packed."""
     x, weight = torch.randn(3, 32).bfloat16(), torch.ones(32).bfloat16()
     if kernels.cpu_kernels() is not None:
         with mock.patch.object(kernels, "torch_rms_norm", side_effect=AssertionError("took the torch path")):
             kernels.rms_norm(x, weight, 1e-6)
-    assert not kernels.use_c(x.float())
+        assert kernels.use_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].packed is not None
+    with mock.patch.object(kernels, "c_rms_norm", side_effect=AssertionError("took the C path")):
+        kernels.rms_norm(x.float(), weight.float(), 1e-6)
     monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.warns(UserWarning, match="cpu_kernels.c"):
         assert kernels.cpu_kernels() is None
-    assert not kernels.use_c(x) and torch.equal(kernels.rms_norm(x, weight, 1e-6),
-                                                kernels.torch_rms_norm(x, weight, 1e-6))
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-6), kernels.torch_rms_norm(x, weight, 1e-6))
+    assert kernels.use_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].packed is None
     monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
     monkeypatch.setenv("NANOSPEC_CPU_KERNELS", "0")
     assert kernels.cpu_kernels() is None
+
+
+def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
+    """NANOSPEC_ISA makes any machine behave like a smaller one; each ISA's build is cached apart, so a
+    cache shared between machines never loads a library built for another CPU."""
+    monkeypatch.setenv("NANOSPEC_ISA", "pentium")
+    with pytest.raises(ValueError, match="NANOSPEC_ISA"):
+        kernels.cpu_isa()
+    if kernels.cpu_kernels() is None:
+        pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    for isa in ("generic", "avx2"):
+        monkeypatch.setenv("NANOSPEC_ISA", isa)
+        monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+        if kernels.cpu_kernels() is None:
+            continue
+        assert kernels.cpu_isa() == isa and len(list(tmp_path.glob(f"cpu_kernels-{isa}-*.so"))) == 1
 
 
 def test_elementwise_ops_on_empty_batch():
@@ -375,26 +366,3 @@ def test_rejection_sample_empty_batch():
     out = kernels.triton_rejection_sample(randn(0, 4, 11), no_ints, None, no_ints[:, 0], randn(0, 3),
                                           randn(0, 11))
     assert [t.shape for t in out] == [(0,), (0,)]
-
-
-@pytest.mark.skipif(not kernels.can_prepack(torch.zeros(1, dtype=torch.bfloat16)),
-                    reason="this CPU's oneDNN has no bfloat16 matmul to prepack for")
-def test_prepacked_linears_match_f_linear_and_keep_shared_weights_shared():
-    torch_dtype = torch.bfloat16
-    model = torch.nn.Module()
-    model.a = torch.nn.Linear(40, 24, bias=True).to(torch_dtype)
-    model.b = torch.nn.Linear(40, 24, bias=False).to(torch_dtype)
-    model.b.weight = model.a.weight  # tied, like an lm_head and its embedding
-    model.fp32 = torch.nn.Linear(40, 24)  # left alone: fp32 F.linear is the fast path
-    plain = {name: (m.weight.detach().clone(), m.bias) for name, m in model.named_children()}
-    kernels.prepack_linears(model)
-    assert isinstance(model.a, kernels.PrepackedLinear) and isinstance(model.b, kernels.PrepackedLinear)
-    assert model.a.packed_weight is model.b.packed_weight
-    assert isinstance(model.fp32, torch.nn.Linear)
-    for rows in (0, 1, 5, 33):
-        x = torch.randn(rows, 40).to(torch_dtype)
-        for name in ("a", "b"):
-            weight, bias = plain[name]
-            got = getattr(model, name)(x)
-            assert got.dtype == torch_dtype and got.shape == (rows, 24)
-            torch.testing.assert_close(got.float(), F.linear(x, weight, bias).float(), **TOLERANCE[torch_dtype])

@@ -1,0 +1,138 @@
+# Row invariance, op by op: a row (or a query) computed in a call of any size gives the same bits, for
+# every implementation this machine can run (the C kernels for each ISA it can execute, the torch
+# references, Triton in the interpreter at fp32/fp16). This is what makes speculative output equal plain
+# decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to end.
+import pytest
+import torch
+
+import kernels
+from test_kernels import make_paged_batch
+
+ROW_COUNTS = [1, 2, 5, 9, 33, 300]
+ISAS = ["avx512", "avx2", "generic"]
+
+
+@pytest.fixture(params=ISAS)
+def c_isa(request, monkeypatch):
+    """The C kernels built for one ISA (skipped where this CPU cannot run it, or nothing builds)."""
+    have = kernels.cpu_isa()
+    if ISAS.index(request.param) < ISAS.index(have):
+        pytest.skip(f"this CPU runs {have}, not {request.param}")
+    monkeypatch.setenv("NANOSPEC_ISA", request.param)
+    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+    if kernels.cpu_kernels() is None:
+        pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
+    yield request.param
+    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")  # the next test rebuilds for this CPU
+
+
+def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
+    """op(x[:m]) must hold op(x)'s first m rows bit for bit, for every m."""
+    full = op(x[:max(counts)])
+    for m in counts:
+        part = op(x[:m].clone())
+        assert torch.equal(part, full[:m]), f"rows differ when the call has {m} rows"
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "bf16-w"])
+@pytest.mark.parametrize("n,k", [(576, 576), (96, 1536), (37, 20)])
+def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
+    weight, bias = (0.05 * torch.randn(n, k)).to(w_dtype), torch.randn(n).to(x_dtype)
+    packed = kernels.pack_weight(weight)
+    assert_rows_invariant(lambda x: kernels.c_linear(x, packed, bias, n), torch.randn(300, k).to(x_dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_linear_rows_are_invariant(dtype):
+    weight, bias = (0.05 * torch.randn(160, 576)).to(dtype), torch.randn(160).to(dtype)
+    assert_rows_invariant(lambda x: kernels.torch_linear(x, weight, bias), torch.randn(300, 576).to(dtype),
+                          counts=[1, 2, 5, 9, 33])
+
+
+def test_plain_f_linear_is_not_row_invariant():
+    """Why the linears need their own kernels: BLAS changes its summation order with the row count.
+    (If this ever fails, torch became row-invariant and the test can go; the others still hold.)"""
+    weight, x = 0.05 * torch.randn(1536, 576), torch.randn(9, 576)
+    full = torch.nn.functional.linear(x, weight)
+    assert any(not torch.equal(torch.nn.functional.linear(x[:m], weight), full[:m]) for m in (1, 2, 4))
+
+
+def test_use_linears_packs_a_shared_weight_once():
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Linear(40, 24, bias=False))
+    model[1].weight = model[0].weight  # tied, like an lm_head and its embedding
+    weight, bias, x = model[0].weight.detach().clone(), model[0].bias.detach().clone(), torch.randn(5, 40)
+    kernels.use_linears(model)
+    if kernels.cpu_kernels() is not None:
+        assert model[0].packed is model[1].packed and model[0].weight is None
+    torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, weight, bias))
+    torch.testing.assert_close(model[1](x), torch.nn.functional.linear(x, weight))
+
+
+# A query at a given position: decoded alone, verified among 5, in a prefill chunk of 20, in a whole prompt.
+# Sequence 0 is always the one whose last query sits at position 44 (context 45).
+ATTENTION_STEPS = {"decode": [(45, 1)], "verify": [(45, 5), (30, 5)], "chunk": [(45, 20), (12, 1)],
+                   "prompt": [(45, 45), (60, 3), (8, 8)]}
+
+
+def attention_of_position_44(fn, dtype, block_size):
+    """The output row of the query at position 44 of one fixed sequence, in each kind of step."""
+    torch.manual_seed(7)  # the same cache, tables and query rows in every step
+    base = make_paged_batch([(45, 45), (60, 60), (30, 30), (12, 12), (8, 8)], block_size, 6, 2, 16, dtype)
+    q_all, k_cache, v_cache, block_tables, *_ = base
+    rows = {}
+    for name, seqs in ATTENTION_STEPS.items():
+        index = {"decode": [0], "verify": [0, 2], "chunk": [0, 3], "prompt": [0, 1, 4]}[name]
+        q_lens = torch.tensor([q_len for _, q_len in seqs])
+        seq_lens = torch.tensor([context for context, _ in seqs])
+        starts = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
+        # query j of step sequence b is the query row its position has in the whole-prompt layout
+        offsets = [0, 45, 105, 135, 147]
+        q = torch.cat([q_all[offsets[s] + context - q_len:offsets[s] + context]
+                       for s, (context, q_len) in zip(index, seqs)])
+        out = fn(q, k_cache, v_cache, block_tables[index], seq_lens, starts, 0.25, int(q_lens.max()),
+                 int(seq_lens.max()))
+        rows[name] = out[int(starts[1]) - 1]  # the last query of the first sequence: position 44
+    return rows
+
+
+def check_attention(fn, dtype, block_size):
+    rows = attention_of_position_44(fn, dtype, block_size)
+    for name, row in rows.items():
+        assert torch.equal(row, rows["decode"]), f"position 44 differs between decode and {name}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_c_attention_query_is_invariant(c_isa, dtype, block_size):
+    check_attention(kernels.c_paged_attention, dtype, block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_attention_query_is_invariant(dtype):
+    check_attention(kernels.torch_paged_attention, dtype, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_attention_query_is_invariant(dtype):
+    check_attention(kernels.triton_paged_attention, dtype, 4)
+
+
+@pytest.mark.parametrize("impl", ["c", "torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
+    if impl == "c" and (dtype != torch.bfloat16 or kernels.cpu_kernels() is None):
+        pytest.skip("the C RMSNorm and rotary are bf16 kernels")
+    if impl == "triton" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16 (CUDA only)")
+    if impl == "torch" and dtype == torch.float16:
+        pytest.skip("no fp16 CPU model path")
+    ops = {name: getattr(kernels, f"{impl}_{name}", None) for name in ("rms_norm", "rotary", "silu_mul")}
+    x, weight = torch.randn(300, 96).to(dtype), (1 + 0.1 * torch.randn(96)).to(dtype)
+    counts = ROW_COUNTS if impl != "triton" else [1, 2, 5, 9, 33]  # the interpreter is slow
+    assert_rows_invariant(lambda rows: ops["rms_norm"](rows, weight, 1e-6), x, counts)
+    assert_rows_invariant(lambda rows: ops["rms_norm"](rows, weight, 1e-6, rows.flip(1))[0], x, counts)
+    cos_sin = torch.randn(300, 16).to(dtype)
+    assert_rows_invariant(lambda rows: ops["rotary"](rows.view(-1, 6, 16), cos_sin[:len(rows)]), x, counts)
+    if ops["silu_mul"] is not None:
+        assert_rows_invariant(ops["silu_mul"], x, counts)
