@@ -385,6 +385,16 @@ def _pow2(n, at_least=1):
     return max(at_least, triton.next_power_of_2(n))
 
 
+meta_launches = []  # launches of meta tensors, recorded here instead of run (bench.py kernels --compile-only)
+
+
+def _launch(kernel, grid, args, num_warps, **constexprs):
+    """Every wrapper launches through here. On meta tensors it only records what would be compiled."""
+    if args[0].device.type == "meta":
+        return meta_launches.append((kernel, args, dict(constexprs, num_warps=num_warps)))
+    kernel[grid](*args, **constexprs, num_warps=num_warps)
+
+
 def _as_rows(x):
     """View x as [rows, last_dim] with unit column stride (copies only if it has to)."""
     x = x.reshape(-1, x.shape[-1])
@@ -420,11 +430,10 @@ def triton_store_kv(k, v, k_cache, v_cache, slot_mapping):
     assert k_cache.stride(3) == 1
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](
+    _launch(_store_kv_kernel, (num_tokens,), (
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads,
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEADS_PAD=_pow2(num_kv_heads),
-        DIM_PAD=_pow2(head_dim), num_warps=4)
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads), 4, BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim))
 
 
 @triton.jit
@@ -500,10 +509,11 @@ def _paged_attention_kernel(
 
 def _num_kv_segments(num_programs, max_seq_len, device):
     """Split the keys when the grid alone would leave most of the GPU idle (small batches, long
-    contexts): about 2 programs per SM, each segment at least 256 keys. Host ints only: no sync."""
-    if device.type != "cuda":
+    contexts): about 2 programs per SM, each segment at least 256 keys. Host ints only: no sync.
+    Meta tensors (compile-only planning) plan for an H100's 132 SMs."""
+    if device.type not in ("cuda", "meta"):
         return 1  # the CPU interpreter runs programs one by one: splitting only adds work
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     return max(1, min(triton.cdiv(max_seq_len, 256), 2 * sms // num_programs))
 
 
@@ -536,13 +546,12 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     partial = out[None] if segments == 1 else torch.empty(segments, *q.shape, **f32)
     lse = torch.empty(segments, num_tokens, num_heads, **f32)  # written only when split
     grid = (num_q_blocks, seq_lens.shape[0], num_kv_heads * segments)
-    _paged_attention_kernel[grid](
+    _launch(_paged_attention_kernel, grid, (
         q, k_cache, v_cache, partial, lse, block_tables, seq_lens, query_start_loc, scale, segment_len,
         q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
-        DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SEGMENTS=segments,
-        num_warps=4)
+        block_tables.stride(0)), 4, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
+        DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SEGMENTS=segments)
     if segments > 1:  # each segment's share of the total softmax mass is softmax(lse) over segments
         out.copy_((torch.softmax(lse, dim=0)[..., None] * partial).sum(0))
     return out
@@ -575,9 +584,8 @@ def triton_rms_norm(x, weight, eps, residual=None):
     summed = torch.empty_like(x2) if residual is not None else out  # (not written without residual)
     if x2.shape[0] > 0:
         block = _pow2(hidden)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, summed, x2.stride(0), r2.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+        _launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0),
+                hidden, eps), min(max(block // 256, 1), 16), HAS_RESIDUAL=residual is not None, BLOCK=block)
     if residual is None:
         return out.view(shape)
     return out.view(shape), summed.view(shape)
@@ -612,9 +620,8 @@ def triton_rotary(x, cos_sin):
     assert x.stride(2) == cos_sin.stride(1) == 1
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens > 0:
-        _rotary_kernel[(num_tokens,)](
-            x, out, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), num_heads,
-            HALF=head_dim // 2, HEADS_PAD=_pow2(num_heads), HALF_PAD=_pow2(head_dim // 2), num_warps=4)
+        _launch(_rotary_kernel, (num_tokens,), (x, out, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0),
+                num_heads), 4, HALF=head_dim // 2, HEADS_PAD=_pow2(num_heads), HALF_PAD=_pow2(head_dim // 2))
     return out
 
 
@@ -637,8 +644,8 @@ def triton_silu_mul(x):
     out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0:
         block = min(_pow2(inter), 1024)
-        _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, out, x2.stride(0), inter,
-                                                                  BLOCK=block, num_warps=4)
+        _launch(_silu_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)), (x2, out, x2.stride(0), inter), 4,
+                BLOCK=block)
     return out.view(*shape[:-1], inter)
 
 
@@ -752,12 +759,12 @@ def triton_rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts,
     next_token = torch.empty(num_seqs, dtype=torch.int64, device=target_probs.device)
     if num_seqs == 0:
         return num_accepted, next_token
-    _rejection_sample_kernel[(num_seqs,)](
+    _launch(_rejection_sample_kernel, (num_seqs,), (
         target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise, num_accepted,
         next_token, vocab, max_k, target_probs.stride(0), target_probs.stride(1),
         draft_tokens.stride(0), draft_probs.stride(0), draft_probs.stride(1), uniform.stride(0),
-        exp_noise.stride(0), ONE_HOT=one_hot, K_PAD=_pow2(max_k),
-        BLOCK_V=min(_pow2(vocab), REJECTION_BLOCK_V), num_warps=8)
+        exp_noise.stride(0)), 8, ONE_HOT=one_hot, K_PAD=_pow2(max_k),
+        BLOCK_V=min(_pow2(vocab), REJECTION_BLOCK_V))
     return num_accepted, next_token
 
 
