@@ -331,8 +331,8 @@ COMPILE_TARGETS = {"sm_80": (("cuda", 80, 32), 163 << 10), "sm_90": (("cuda", 90
 
 def compile_cases():
     """The launches the Triton wrappers make (recorded on meta tensors) for fp32/fp16/bf16, head_dim 64 and
-    128, GQA groups 1, 3, 8, block sizes 1 and 16, BLOCK_M 16 to 64, split KV (planned for 132 SMs) and
-    unsplit (batch 64), one-hot and probability drafts (probabilities are fp32 in the engine)."""
+    128, GQA groups 1, 3, 8, block sizes 1 and 16, split KV (contexts over KV_SEGMENT) and
+    unsplit, one-hot and probability drafts (probabilities are fp32 in the engine)."""
     import kernels
     kernels.meta_launches.clear()
     meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")

@@ -507,14 +507,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + segment * stride_ls + token * stride_lt + head, lse, mask=row_ok)
 
 
-def _num_kv_segments(num_programs, max_seq_len, device):
-    """Split the keys when the grid alone would leave most of the GPU idle (small batches, long
-    contexts): about 2 programs per SM, each segment at least 256 keys. Host ints only: no sync.
-    Meta tensors (compile-only planning) plan for an H100's 132 SMs."""
-    if device.type not in ("cuda", "meta"):
-        return 1  # the CPU interpreter runs programs one by one: splitting only adds work
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return max(1, min(triton.cdiv(max_seq_len, 256), 2 * sms // num_programs))
+KV_SEGMENT = 512  # keys per split-KV segment: fixed, so a sequence's split depends on its length alone
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -524,11 +517,12 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     Grid (query blocks, sequences, kv heads x KV segments), sized from the host ints max_q_len and
     max_seq_len (no sync); programs past their sequence's q_len exit at once. A tile's BLOCK_M rows
     are (query, head-in-group) pairs, so the GQA heads sharing a KV head read each K/V tile once.
-    BLOCK_M: the rows needed, as a power of two in [16, 64] (16 = the smallest tl.dot tile; a 64 x 128
-    fp32 accumulator stays in registers with 4 warps). BLOCK_N = 64 cache positions per step, gathered
-    through the block table per position, so any block size (even 1) works. fp32 dots use "ieee":
-    fp32 is the exactness dtype. With several KV segments each program writes its segment's
-    normalised output and log-sum-exp in fp32, and a softmax over the segments' lse merges them.
+    BLOCK_M = 64 rows (more for GQA groups over 64) whatever the step, and KV_SEGMENT-key segments from
+    position 0: a query's arithmetic never depends on its batch partners (row invariance). BLOCK_N = 64
+    cache positions per step, gathered through the block table per position, so any block size (even
+    1) works. fp32 dots use "ieee". With several KV segments each program writes its segment's
+    normalised output and log-sum-exp in fp32, and a softmax over the segments' lse merges them (a
+    segment past a sequence's end has weight exactly 0, so a short sequence gets the unsplit bits).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -537,10 +531,9 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     if num_tokens == 0:
         return out
     group, block_n = num_heads // num_kv_heads, 64
-    block_m = max(min(_pow2(max_q_len * group, 16), 64), _pow2(group))
+    block_m = max(64, _pow2(group))  # per model, never per step: a query's tile shape is always the same
     num_q_blocks = triton.cdiv(max_q_len, block_m // group)
-    segments = _num_kv_segments(num_q_blocks * seq_lens.shape[0] * num_kv_heads, max_seq_len, q.device)
-    segment_len = triton.cdiv(triton.cdiv(max_seq_len, segments), block_n) * block_n
+    segments, segment_len = triton.cdiv(max_seq_len, KV_SEGMENT), KV_SEGMENT
     # Unsplit, the kernel writes the output directly (as segment 0 of a [1, T, Hq, D] view).
     f32 = dict(dtype=torch.float32, device=q.device)
     partial = out[None] if segments == 1 else torch.empty(segments, *q.shape, **f32)

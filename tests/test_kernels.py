@@ -124,10 +124,10 @@ def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [  # GQA ratios 1, 3, 4, 8
     (2, 2, 16), (6, 2, 64), (4, 1, 128), (8, 1, 64)])
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("kv_segments", [1, 3])  # 3: split-KV with a log-sum-exp merge
-def test_paged_attention(batch, kv_segments, block_size, num_heads, num_kv_heads, head_dim, dtype,
+@pytest.mark.parametrize("kv_segment", [512, 64])  # 64: split-KV with a log-sum-exp merge
+def test_paged_attention(batch, kv_segment, block_size, num_heads, num_kv_heads, head_dim, dtype,
                          monkeypatch):
-    monkeypatch.setattr(kernels, "_num_kv_segments", lambda *args: kv_segments)
+    monkeypatch.setattr(kernels, "KV_SEGMENT", kv_segment)
     args = make_paged_batch(BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype)
     assert_triton_matches_torch("paged_attention", *args, dtype=dtype)
 
