@@ -8,12 +8,18 @@
 #include <stdint.h>
 
 typedef uint16_t bf16;  // raw bfloat16 bits: the top half of an fp32
-// 16 floats: one zmm with AVX-512, two ymm with AVX2, four xmm otherwise; the compiler picks.
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
+// One vector register of floats: 16 with AVX-512, 8 with AVX2, 4 otherwise (SSE, NEON).
+#if defined(__AVX512F__)
 #define LANES 16
+#elif defined(__AVX2__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 
 static inline float to_f32(bf16 h) { union { uint32_t u; float f; } v = { (uint32_t)h << 16 }; return v.f; }
 
@@ -22,7 +28,7 @@ static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
     return (bf16)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
 }
 
-static inline vf load_vf(const void *p, int is_bf16) {  // 16 values, widened to fp32 (exact)
+static inline vf load_vf(const void *p, int is_bf16) {  // LANES values, widened to fp32 (exact)
     if (!is_bf16) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
     vh h;
     __builtin_memcpy(&h, p, sizeof h);
@@ -50,62 +56,67 @@ static inline float hsum(vf v) {  // a fixed pairwise tree: the same order for e
 
 // ---------------------------------------------------------------------------------------------------
 // Linear: y[M, N] = x[M, K] W^T (+ bias). W is packed once at load time into panels of 16 output columns,
-// k-major: w[panel][k][16] (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows). Each
+// k-major: w[panel][k][16] (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows), one
+// to four vectors per panel row depending on the ISA. Each
 // output y[m, n] is one fp32 fused multiply-add chain over k = 0..K-1 from zero, then + bias: the same for
 // any M, tile shape or thread count. A tile of ROWS x PANELS outputs keeps its accumulators in registers
 // and reads each weight element once for all its rows, so small-M steps (decode, verify) stream the
 // weights once: memory bound, and verifying K+1 rows costs about what one row does.
 // ---------------------------------------------------------------------------------------------------
-#ifdef __AVX512F__
+#define PANEL 16
+#define PV (PANEL / LANES)  // vectors per panel row
+#if LANES == 16
 #define MAX_ROWS 6  // 6 rows x 4 panels = 24 of the 32 vector registers
 #define PANELS 4
+#elif LANES == 8
+#define MAX_ROWS 6  // 6 rows x 1 panel x 2 vectors = 12 of the 16 registers
+#define PANELS 1
 #else
-#define MAX_ROWS 3  // 16 ymm registers: 3 x 2 panels x 2 halves = 12 accumulators
-#define PANELS 2
+#define MAX_ROWS 2  // 2 rows x 1 panel x 4 vectors = 8 of the 16 registers
+#define PANELS 1
 #endif
 
 static inline __attribute__((always_inline)) void
 linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, int panels, int64_t m0, int p0,
-            int N, int K, int x_bf16, int w_bf16)
+            int N, int K, int x_bf16, int w_bf16, int y_bf16)
 {
-    vf acc[MAX_ROWS][PANELS] = {};
-    int64_t panel_size = (int64_t)K * LANES;
+    vf acc[MAX_ROWS][PANELS * PV] = {};
+    int64_t panel_size = (int64_t)K * PANEL, w_elem = w_bf16 ? 2 : 4, y_elem = y_bf16 ? 2 : 4;
     for (int k = 0; k < K; k++) {
-        vf wk[PANELS];
-        for (int p = 0; p < panels; p++)
-            wk[p] = load_vf((const char *)w + ((p0 + p) * panel_size + (int64_t)k * LANES) * (w_bf16 ? 2 : 4), w_bf16);
+        vf wk[PANELS * PV];
+        for (int v = 0; v < panels * PV; v++)
+            wk[v] = load_vf((const char *)w + ((p0 + v / PV) * panel_size + (int64_t)k * PANEL + v % PV * LANES) * w_elem,
+                            w_bf16);
         for (int r = 0; r < rows; r++) {
             vf xk = (vf){} + load_f(x, (m0 + r) * K + k, x_bf16);
-            for (int p = 0; p < panels; p++) acc[r][p] += xk * wk[p];  // contracted to an FMA
+            for (int v = 0; v < panels * PV; v++) acc[r][v] += xk * wk[v];  // contracted to an FMA
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int p = 0; p < panels; p++) {
-            int n0 = (p0 + p) * LANES;
-            vf out = acc[r][p];
-            if (bias) out += load_vf((const char *)bias + (int64_t)n0 * (x_bf16 ? 2 : 4), x_bf16);
-            if (n0 + LANES <= N) {
-                store_vf((char *)y + ((m0 + r) * N + n0) * (x_bf16 ? 2 : 4), out, x_bf16);
-            } else {  // the last, partial panel
-                char tmp[LANES * 4];
-                store_vf(tmp, out, x_bf16);
-                __builtin_memcpy((char *)y + ((m0 + r) * N + n0) * (x_bf16 ? 2 : 4), tmp, (N - n0) * (x_bf16 ? 2 : 4));
-            }
+        for (int v = 0; v < panels * PV; v++) {
+            int n0 = (p0 + v / PV) * PANEL + v % PV * LANES;
+            if (n0 >= N) continue;  // zero padding of the last panel
+            vf out = acc[r][v];
+            char *dst = (char *)y + ((m0 + r) * N + n0) * y_elem, tmp[LANES * 4];
+            for (int j = 0; bias && j < LANES && n0 + j < N; j++) out[j] += load_f(bias, n0 + j, y_bf16);
+            store_vf(n0 + LANES <= N ? dst : tmp, out, y_bf16);
+            if (n0 + LANES > N) __builtin_memcpy(dst, tmp, (N - n0) * y_elem);  // the last, partial vector
         }
 }
 
 // One instance per (rows, panels) shape, so every accumulator has a register; x_bf16 / w_bf16 are
 // constant inside each instance too.
-#define TILE(R, P) linear_tile(x, w, bias, y, R, P, m0, p0, N, K, x_bf16, w_bf16)
+#define TILE_AT(M0, P0) linear_tile(x, w, bias, y, 1, 1, M0, P0, N, K, x_bf16, w_bf16, y_bf16)
+#define TILE(R, P) linear_tile(x, w, bias, y, R, P, m0, p0, N, K, x_bf16, w_bf16, y_bf16)
 static void linear_rows(const void *x, const void *w, const void *bias, void *y, int rows, int panels, int64_t m0,
-                        int p0, int N, int K, int x_bf16, int w_bf16)
+                        int p0, int N, int K, int x_bf16, int w_bf16, int y_bf16)
 {
     if (panels == PANELS) {
         switch (rows) {
         case 1: TILE(1, PANELS); break;
         case 2: TILE(2, PANELS); break;
-        case 3: TILE(3, PANELS); break;
 #if MAX_ROWS == 6
+        case 3: TILE(3, PANELS); break;
         case 4: TILE(4, PANELS); break;
         case 5: TILE(5, PANELS); break;
         case 6: TILE(6, PANELS); break;
@@ -113,15 +124,16 @@ static void linear_rows(const void *x, const void *w, const void *bias, void *y,
         }
     } else {
         for (int p = 0; p < panels; p++)
-            for (int r = 0; r < rows; r++) linear_tile(x, w, bias, y, 1, 1, m0 + r, p0 + p, N, K, x_bf16, w_bf16);
+            for (int r = 0; r < rows; r++) TILE_AT(m0 + r, p0 + p);
     }
 }
 
-// x_bf16: x, bias and y are bf16 (else fp32); w_bf16: the packed weight is bf16 (else fp32).
+// Each of x, the packed weight w, and y with its bias is bf16 (flag set) or fp32. (kernels.py widens a
+// bf16 x of several rows to fp32 once, rather than once per column group here.)
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K, int x_bf16, int w_bf16,
-            int threads)
+            int y_bf16, int threads)
 {
-    int num_panels = (N + LANES - 1) / LANES, groups = (num_panels + PANELS - 1) / PANELS;
+    int num_panels = (N + PANEL - 1) / PANEL, groups = (num_panels + PANELS - 1) / PANELS;
     // A thread owns whole column groups and walks every row through them: the group's weights stay in
     // its cache while the rows pass, and which thread computes an output never changes its value.
     #pragma omp parallel for schedule(static) num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
@@ -129,7 +141,7 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
         int p0 = g * PANELS, panels = num_panels - p0 < PANELS ? num_panels - p0 : PANELS;
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
             linear_rows(x, w, bias, y, M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS, panels, m0, p0, N, K,
-                        x_bf16, w_bf16);
+                        x_bf16, w_bf16, y_bf16);
     }
 }
 
@@ -137,8 +149,8 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 // Paged attention for packed queries q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D]: the
 // contract of torch_paged_attention, for prefill chunks, decode and verification alike. A work item is one
 // query and one KV head with its group of query heads. It reads its keys 0..position straight from the
-// cache in chunks of 16 from position 0, with an online softmax: the same arithmetic for a query at a
-// given position whatever the step around it. D must be a multiple of 16.
+// cache in chunks of LANES keys from position 0, with an online softmax: the same arithmetic for a query at
+// a given position whatever the step around it. D must be a multiple of 16.
 // ---------------------------------------------------------------------------------------------------
 #define MAX_GROUP 16
 #define MAX_DIM 256
@@ -155,17 +167,21 @@ static inline vf exp_vf(vf x) {  // e^x for x <= 0 (e^-inf = 0): 2^n * e^r, |r| 
     return (vf)((vi)(p * (vf)scale) & ~dead);
 }
 
-static const vi IOTA = { 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15 };
-// Slot i of sum_lanes' input ends up in output lane BITREV[i] (and BITREV is its own inverse).
-static const int BITREV[LANES] = { 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15 };
+static inline vi iota(void) { vi v; for (int i = 0; i < LANES; i++) v[i] = i; return v; }
+
+static inline int bit_reversed(int i) {  // i's log2(LANES) bits in reverse order
+    int r = 0;
+    for (int bit = 1; bit < LANES; bit *= 2) r = r * 2 + (i & bit ? 1 : 0);
+    return r;
+}
 
 static inline vf fold(vf a, vf b, int w) {  // blocks of w lanes of a and b, paired with the next w and summed
-    vi within = IOTA & (2 * w - 1), lo = IOTA + ((within >= w) & (16 - w));  // w is a power of 2
+    vi within = iota() & (2 * w - 1), lo = iota() + ((within >= w) & (LANES - w));  // w is a power of 2
     return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + w);
 }
 
-// Output lane BITREV[i] = the sum of v[i]'s 16 lanes, by the same tree for every lane: 15 shuffle pairs
-// for 16 horizontal sums.
+// Output lane bit_reversed(i) = the sum of v[i]'s lanes, by the same tree for every lane: LANES - 1
+// shuffle pairs for LANES horizontal sums.
 static inline vf sum_lanes(vf v[LANES]) {
     for (int n = LANES, w = LANES / 2; w > 0; n /= 2, w /= 2)
         for (int i = 0; i < n / 2; i++) v[i] = fold(v[2 * i], v[2 * i + 1], w);
@@ -180,6 +196,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4;
     vf qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], partial[MAX_GROUP][LANES];
     float max_score[MAX_GROUP], total[MAX_GROUP];
+    int key_of_slot[LANES];
+    for (int i = 0; i < LANES; i++) key_of_slot[i] = bit_reversed(i);
     for (int g = 0; g < group; g++) {
         const char *qh = (const char *)q + (((int64_t)t * num_heads + kv_head * group + g) * head_dim) * elem;
         for (int c = 0; c < chunks; c++) qv[g][c] = load_vf(qh + c * LANES * elem, is_bf16), acc[g][c] = (vf){};
@@ -191,16 +209,16 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             int l = l0 + j < num_keys ? l0 + j : l0;
             row[j] = ((table[l / block_size] * block_size + l % block_size) * slot_stride + kv_head * head_dim) * elem;
         }
-        for (int i = 0; i < LANES; i++) {  // key BITREV[i]'s products, per head, for sum_lanes
+        for (int i = 0; i < LANES; i++) {  // the products of key key_of_slot[i], per head, for sum_lanes
             vf k[MAX_DIM / LANES];
-            for (int c = 0; c < chunks; c++) k[c] = load_vf((const char *)k_cache + row[BITREV[i]] + c * LANES * elem, is_bf16);
+            for (int c = 0; c < chunks; c++) k[c] = load_vf((const char *)k_cache + row[key_of_slot[i]] + c * LANES * elem, is_bf16);
             for (int g = 0; g < group; g++) {
                 vf dot = {};
                 for (int c = 0; c < chunks; c++) dot += qv[g][c] * k[c];
                 partial[g][i] = dot;
             }
         }
-        vi valid = l0 + IOTA < num_keys;
+        vi valid = l0 + iota() < num_keys;
         for (int g = 0; g < group; g++) {
             vf scores = sum_lanes(partial[g]) * scale;
             scores = (vf)(((vi)scores & valid) | ((vi)((vf){} - INFINITY) & ~valid));
@@ -238,10 +256,10 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache, co
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
 #define ATTEND(CHUNKS, BF16) attend(q, k_cache, v_cache, table, out, t, kv_head, num_keys, num_heads, group, \
                                     block_size, slot_stride, scale, CHUNKS, BF16)
-        if (head_dim == 64 && is_bf16) ATTEND(4, 1);  // the common shapes get constant loop bounds
-        else if (head_dim == 64) ATTEND(4, 0);
-        else if (head_dim == 128 && is_bf16) ATTEND(8, 1);
-        else if (head_dim == 128) ATTEND(8, 0);
+        if (head_dim == 64 && is_bf16) ATTEND(64 / LANES, 1);  // the common shapes get constant loop bounds
+        else if (head_dim == 64) ATTEND(64 / LANES, 0);
+        else if (head_dim == 128 && is_bf16) ATTEND(128 / LANES, 1);
+        else if (head_dim == 128) ATTEND(128 / LANES, 0);
         else ATTEND(head_dim / LANES, is_bf16);
     }
 }

@@ -101,7 +101,7 @@ def _load_cpu_kernels():
             return None
     lib = ctypes.CDLL(str(library))
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5
+    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 6
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32]
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
@@ -236,11 +236,13 @@ def torch_linear(x, weight, bias=None):
 
 def c_linear(x, packed, bias, out_features):
     """cpu_kernels.c's linear: each output one fp32 FMA chain over k, the weights streamed once per call."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    rows = x.reshape(-1, x.shape[-1])
     out = x.new_empty(rows.shape[0], out_features)
+    # Several bf16 rows are widened once here (exactly): in the kernel each column group would redo it.
+    rows = rows.float() if len(rows) > 1 else rows.contiguous()
     cpu_kernels().linear(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                         out.data_ptr(), rows.shape[0], out_features, rows.shape[1],
-                         x.dtype == torch.bfloat16, packed.dtype == torch.bfloat16, torch.get_num_threads())
+                         out.data_ptr(), out.shape[0], out_features, rows.shape[1], rows.dtype == torch.bfloat16,
+                         packed.dtype == torch.bfloat16, out.dtype == torch.bfloat16, torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
 
 
