@@ -157,6 +157,7 @@ def run_nanospec(llm: LLM, prompts, params, repeat):
         "mean_accepted_length": 1 + accepted / steps if steps else None,
         "acceptance_per_position": spec_metrics(outs)["acceptance_per_position"],
         "k_per_step": k_hist,
+        "token_ids": [o.token_ids for o in outs],  # compared with plain decoding's, then dropped
     }
 
 
@@ -183,7 +184,11 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
 
 
 def machine_info(dtype):
-    return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+    import kernels
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    return {"cpu": cpu, "isa": kernels.cpu_isa(), "kernels": kernels.kernels_summary(dtype, "cpu"),
+            "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "dtype": dtype,
             "python": platform.python_version()}
@@ -247,18 +252,25 @@ def sweep(args):
                 results.append(row)
                 progress.advance(task)
     plain = {r["batch"]: r for r in results if r["method"] == "none"}
+    plain_ids = {b: r["token_ids"] for b, r in plain.items()}
+    for r in results:
+        token_ids = r.pop("token_ids")
+        r["identical_to_plain"] = token_ids == plain_ids[r["batch"]] if r["batch"] in plain_ids else None
     for r in results:
         r["speedup_vs_plain"] = r["tok_s"] / plain[r["batch"]]["tok_s"] if r["batch"] in plain else None
         r["decode_speedup_vs_plain"] = plain[r["batch"]]["decode_ms_per_token"] / r["decode_ms_per_token"] \
             if r["batch"] in plain else None
         r["speedup_vs_hf"] = r["tok_s"] / r["hf_tok_s"] if r.get("hf_tok_s") else None
-    table = Table(title=f"nanospec bench · {args.model} · {args.dtype} · {args.workload} · max_tokens {args.max_tokens}")
-    for col in ("method", "K", "batch", "tok/s", "req/s", "TTFT p50/p90 ms", "TPOT p50/p90 ms", "mean acc len",
+    machine = machine_info(args.dtype)
+    table = Table(title=f"nanospec bench · {args.model} · {args.dtype} · {args.workload} · max_tokens "
+                        f"{args.max_tokens} · {machine['cpu']} · {machine['kernels']}")
+    for col in ("method", "K", "batch", "= plain", "tok/s", "req/s", "TTFT p50/p90 ms", "TPOT p50/p90 ms", "mean acc len",
                 "acc/pos", "K per step", "x plain", "x plain decode", "hf tok/s", "x hf"):
         table.add_column(col, justify="left" if col in ("method", "acc/pos", "K per step") else "right")
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
     for r in results:
-        table.add_row(os.path.basename(r["method"].rstrip("/")), str(r["k"]), str(r["batch"]), f"{r['tok_s']:.1f}",
+        same = {True: "yes", False: "NO", None: "-"}[r["identical_to_plain"]]
+        table.add_row(os.path.basename(r["method"].rstrip("/")), str(r["k"]), str(r["batch"]), same, f"{r['tok_s']:.1f}",
                       f"{r['req_s']:.2f}", f"{1000 * r['ttft_p50']:.0f}/{1000 * r['ttft_p90']:.0f}",
                       f"{1000 * r['tpot_p50']:.1f}/{1000 * r['tpot_p90']:.1f}", fmt(r["mean_accepted_length"]),
                       " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
@@ -268,7 +280,7 @@ def sweep(args):
     Console(width=220).print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "machine": machine_info(args.dtype), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "machine": machine, "results": results}, f, indent=1)
 
 
 def bench_kernels():
