@@ -246,7 +246,7 @@ def sweep(args):
                 llm.max_num_seqs = b
                 llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_progress=False)  # warm-up
                 row = {"method": draft, "k": k, "batch": b, **run_nanospec(llm, prompts, params, args.repeat)}
-                if hf and draft in ("none", "ngram") and (draft == "none" or b == 1):
+                if hf and (draft == "none" or draft == "ngram" and b == 1 and k != "auto"):
                     row["hf_tok_s"] = run_hf(*hf, prompts, b, args.max_tokens, args.repeat,
                                              prompt_lookup=k if draft == "ngram" else None)["tok_s"]
                 results.append(row)
