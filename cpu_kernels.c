@@ -84,9 +84,10 @@ linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, i
     int64_t panel_size = (int64_t)K * PANEL, w_elem = w_bf16 ? 2 : 4, y_elem = y_bf16 ? 2 : 4;
     for (int k = 0; k < K; k++) {
         vf wk[PANELS * PV];
-        for (int v = 0; v < panels * PV; v++)
-            wk[v] = load_vf((const char *)w + ((p0 + v / PV) * panel_size + (int64_t)k * PANEL + v % PV * LANES) * w_elem,
-                            w_bf16);
+        for (int v = 0; v < panels * PV; v++) {
+            int64_t at = (p0 + v / PV) * panel_size + (int64_t)k * PANEL + v % PV * LANES;  // in elements
+            wk[v] = load_vf((const char *)w + at * w_elem, w_bf16);
+        }
         for (int r = 0; r < rows; r++) {
             vf xk = (vf){} + load_f(x, (m0 + r) * K + k, x_bf16);
             for (int v = 0; v < panels * PV; v++) acc[r][v] += xk * wk[v];  // contracted to an FMA
@@ -108,8 +109,8 @@ linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, i
 // constant inside each instance too.
 #define TILE_AT(M0, P0) linear_tile(x, w, bias, y, 1, 1, M0, P0, N, K, x_bf16, w_bf16, y_bf16)
 #define TILE(R, P) linear_tile(x, w, bias, y, R, P, m0, p0, N, K, x_bf16, w_bf16, y_bf16)
-static void linear_rows(const void *x, const void *w, const void *bias, void *y, int rows, int panels, int64_t m0,
-                        int p0, int N, int K, int x_bf16, int w_bf16, int y_bf16)
+static void linear_rows(const void *x, const void *w, const void *bias, void *y, int rows, int panels,
+                        int64_t m0, int p0, int N, int K, int x_bf16, int w_bf16, int y_bf16)
 {
     if (panels == PANELS) {
         switch (rows) {
@@ -130,8 +131,8 @@ static void linear_rows(const void *x, const void *w, const void *bias, void *y,
 
 // Each of x, the packed weight w, and y with its bias is bf16 (flag set) or fp32. (kernels.py widens a
 // bf16 x of several rows to fp32 once, rather than once per column group here.)
-void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K, int x_bf16, int w_bf16,
-            int y_bf16, int threads)
+void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K, int x_bf16,
+            int w_bf16, int y_bf16, int threads)
 {
     int num_panels = (N + PANEL - 1) / PANEL, groups = (num_panels + PANELS - 1) / PANELS;
     // A thread owns whole column groups and walks every row through them: the group's weights stay in
@@ -189,8 +190,8 @@ static inline vf sum_lanes(vf v[LANES]) {
 }
 
 static inline __attribute__((always_inline)) void
-attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out, int t, int kv_head,
-       int num_keys, int num_heads, int group, int block_size, int64_t slot_stride, float scale,
+attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out, int t,
+       int kv_head, int num_keys, int num_heads, int group, int block_size, int64_t slot_stride, float scale,
        const int chunks, const int is_bf16)
 {
     int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4;
@@ -200,18 +201,21 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     for (int i = 0; i < LANES; i++) key_of_slot[i] = bit_reversed(i);
     for (int g = 0; g < group; g++) {
         const char *qh = (const char *)q + (((int64_t)t * num_heads + kv_head * group + g) * head_dim) * elem;
-        for (int c = 0; c < chunks; c++) qv[g][c] = load_vf(qh + c * LANES * elem, is_bf16), acc[g][c] = (vf){};
+        for (int c = 0; c < chunks; c++)
+            qv[g][c] = load_vf(qh + c * LANES * elem, is_bf16), acc[g][c] = (vf){};
         max_score[g] = -INFINITY, total[g] = 0.0f;
     }
     for (int l0 = 0; l0 < num_keys; l0 += LANES) {
         int64_t row[LANES];  // byte offset of keys l0..l0+15 for this KV head (past the last: a valid one)
         for (int j = 0; j < LANES; j++) {
             int l = l0 + j < num_keys ? l0 + j : l0;
-            row[j] = ((table[l / block_size] * block_size + l % block_size) * slot_stride + kv_head * head_dim) * elem;
+            int64_t slot = table[l / block_size] * block_size + l % block_size;
+            row[j] = (slot * slot_stride + kv_head * head_dim) * elem;
         }
         for (int i = 0; i < LANES; i++) {  // the products of key key_of_slot[i], per head, for sum_lanes
             vf k[MAX_DIM / LANES];
-            for (int c = 0; c < chunks; c++) k[c] = load_vf((const char *)k_cache + row[key_of_slot[i]] + c * LANES * elem, is_bf16);
+            for (int c = 0; c < chunks; c++)
+                k[c] = load_vf((const char *)k_cache + row[key_of_slot[i]] + c * LANES * elem, is_bf16);
             for (int g = 0; g < group; g++) {
                 vf dot = {};
                 for (int c = 0; c < chunks; c++) dot += qv[g][c] * k[c];
@@ -242,8 +246,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
 
 void paged_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                      const int64_t *seq_lens, const int64_t *query_start_loc, void *out, int num_seqs,
-                     int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                     int is_bf16, int threads)
+                     int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                     float scale, int is_bf16, int threads)
 {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;

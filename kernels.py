@@ -241,8 +241,8 @@ def c_linear(x, packed, bias, out_features):
     # Several bf16 rows are widened once here (exactly): in the kernel each column group would redo it.
     rows = rows.float() if len(rows) > 1 else rows.contiguous()
     cpu_kernels().linear(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                         out.data_ptr(), out.shape[0], out_features, rows.shape[1], rows.dtype == torch.bfloat16,
-                         packed.dtype == torch.bfloat16, out.dtype == torch.bfloat16, torch.get_num_threads())
+                         out.data_ptr(), out.shape[0], out_features, rows.shape[1],
+                         *(t.dtype == torch.bfloat16 for t in (rows, packed, out)), torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
 
 
