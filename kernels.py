@@ -85,11 +85,12 @@ def _load_cpu_kernels():
     source = Path(__file__).with_name("cpu_kernels.c")  # missing where a non-editable install kept only .py files
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
+    isa = cpu_isa()
     command = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
-               "-Wno-psabi", *ISA_FLAGS[cpu_isa()], str(source)]
+               "-Wno-psabi", *ISA_FLAGS[isa], str(source)]
     # Keyed by source, compiler and ISA flags: a cache on a shared disk never loads another CPU's build.
     key = hashlib.sha1(source.read_bytes() + " ".join(command).encode()).hexdigest()[:12]
-    library = cache_dir() / f"cpu_kernels-{cpu_isa()}-{key}.so"
+    library = cache_dir() / f"cpu_kernels-{isa}-{key}.so"
     if not library.exists():
         partial = library.with_suffix(f".{os.getpid()}.tmp")  # rename: concurrent builds never see half a file
         try:  # no compiler, a failed build or an unwritable cache dir: the torch path still works

@@ -206,11 +206,12 @@ def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[
             if it.seq.params.temperature == 0:
                 return best[row + j]
             return sample_at(logits_to_probs(logits[row + j][None], [it.seq])[0], it.seq, len(it.seq) + j)
-        n = 0
-        while n < len(it.drafts) and it.drafts[n] == target_token(n):
+        n, token = 0, target_token(0)
+        while n < len(it.drafts) and it.drafts[n] == token:  # each row's token is computed once
             n += 1
+            token = target_token(n)
         num_accepted.append(n)
-        next_tokens.append(target_token(n))
+        next_tokens.append(token)
         row += len(it.drafts) + 1
     return num_accepted, next_tokens
 
