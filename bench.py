@@ -168,13 +168,13 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
     kwargs = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     if prompt_lookup:
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup
-    warm = tokenizer(prompts[:1], return_tensors="pt", add_special_tokens=False)
+    warm = tokenizer(prompts[:1], return_tensors="pt", add_special_tokens=False).to(model.device)
     model.generate(**warm, **{**kwargs, "max_new_tokens": 4})
     runs = []
     for _ in range(repeat):
         num_tokens, start = 0, time.perf_counter()
         for i in range(0, len(prompts), batch_size):
-            batch = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            batch = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             with torch.inference_mode():
                 new = model.generate(**batch, **kwargs)[:, batch["input_ids"].shape[1]:]
             is_eos = new == tokenizer.eos_token_id
@@ -183,14 +183,14 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
     return {"tok_s": statistics.median(runs), "tok_s_runs": runs}
 
 
-def machine_info(dtype):
+def machine_info(dtype, device):
     import kernels
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    return {"cpu": cpu, "isa": kernels.cpu_isa(), "kernels": kernels.kernels_summary(dtype, "cpu"),
+    return {"cpu": cpu, "isa": kernels.cpu_isa(), "kernels": kernels.kernels_summary(device),
             "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "dtype": dtype,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "dtype": str(dtype)[6:],
             "python": platform.python_version()}
 
 
@@ -205,7 +205,8 @@ def parse_args(argv=None):
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto (chosen for the hardware), float32, bfloat16, float16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--spec-disable-batch-size", type=int)
     p.add_argument("--repeat", type=int, default=3)
@@ -224,7 +225,7 @@ def sweep(args):
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     configs = [("none", 0)] * ("none" in drafts) + [(d, k) for d in drafts if d != "none" for k in ks]
     results = []
-    base = LLM(model, dtype=args.dtype, max_num_seqs=max(batch_sizes))
+    base = LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch_sizes))
     all_prompts = read_workload(args.workload)
     if args.chat and base.tokenizer and base.tokenizer.chat_template:
         all_prompts = [base.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in all_prompts]
@@ -233,13 +234,14 @@ def sweep(args):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from models.gguf import default_model_path
         path = model or default_model_path()
-        hf = (AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval(),
+        hf = (AutoModelForCausalLM.from_pretrained(path, dtype=base.dtype).to(args.device).eval(),
               AutoTokenizer.from_pretrained(path))
     with Progress(transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(configs) * len(batch_sizes))
         for draft, k in configs:
-            llm = base if draft == "none" else LLM(model, dtype=args.dtype, max_num_seqs=max(batch_sizes), draft=draft,
-                                                   num_spec_tokens=k, spec_disable_batch_size=args.spec_disable_batch_size)
+            llm = base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device, draft=draft,
+                                                   max_num_seqs=max(batch_sizes), num_spec_tokens=k,
+                                                   spec_disable_batch_size=args.spec_disable_batch_size)
             for b in batch_sizes:
                 n = args.num_prompts or b
                 prompts = [all_prompts[i % len(all_prompts)] for i in range(n)]
@@ -261,8 +263,8 @@ def sweep(args):
         r["decode_speedup_vs_plain"] = plain[r["batch"]]["decode_ms_per_token"] / r["decode_ms_per_token"] \
             if r["batch"] in plain else None
         r["speedup_vs_hf"] = r["tok_s"] / r["hf_tok_s"] if r.get("hf_tok_s") else None
-    machine = machine_info(args.dtype)
-    table = Table(title=f"nanospec bench · {args.model} · {args.dtype} · {args.workload} · max_tokens "
+    machine = machine_info(base.dtype, args.device)
+    table = Table(title=f"nanospec bench · {args.model} · {machine['dtype']} · {args.workload} · max_tokens "
                         f"{args.max_tokens} · {machine['cpu']} · {machine['kernels']}")
     for col in ("method", "K", "batch", "= plain", "tok/s", "req/s", "TTFT p50/p90 ms", "TPOT p50/p90 ms", "mean acc len",
                 "acc/pos", "K per step", "x plain", "x plain decode", "hf tok/s", "x hf"):

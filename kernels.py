@@ -69,11 +69,25 @@ def cpu_isa() -> str:
         if forced not in ISA_FLAGS:
             raise ValueError(f"NANOSPEC_ISA={forced!r}: choose from {', '.join(ISA_FLAGS)}")
         return forced
+    return next(isa for isa, needs in ISA_NEEDS.items() if needs <= cpu_flags())
+
+
+def cpu_flags() -> set[str]:
     try:
-        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     except (OSError, StopIteration):  # not Linux, or no flags line: the portable build
-        flags = set()
-    return next(isa for isa, needs in ISA_NEEDS.items() if needs <= flags)
+        return set()
+
+
+def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
+    """--dtype auto. A GPU: the checkpoint's 16-bit dtype (bf16 for an fp32 checkpoint). A CPU: bf16
+    where the C kernels run (on every ISA they stream bf16 weights, half of fp32's memory traffic, and
+    compute in fp32 registers) or where torch has bf16 instructions; else fp32 (on an AVX2 CPU torch's
+    bf16 matmul is ~5x slower than its fp32)."""
+    if torch.device(device).type != "cpu":
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    native_bf16 = not os.environ.get("NANOSPEC_ISA") and {"avx512_bf16", "amx_bf16"} & cpu_flags()
+    return torch.bfloat16 if cpu_kernels() is not None or native_bf16 else torch.float32
 
 
 def cache_dir() -> Path:
@@ -120,7 +134,7 @@ def cpu_kernels():
     return _cpu_lib
 
 
-def kernels_summary(dtype: torch.dtype, device) -> str:
+def kernels_summary(device) -> str:
     """What runs the ops, for the CLI's and bench.py's reports."""
     if torch.device(device).type == "cuda":
         return "triton"

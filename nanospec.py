@@ -77,6 +77,7 @@ class Sequence:
         self.stop_text, self.decode_offsets = "", (self.num_prompt_tokens,) * 2  # for stop strings
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
         self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
+        self.reached_per_position = Counter()  # steps that drafted a token there after accepting all before
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
 
     def __len__(self):
@@ -261,6 +262,7 @@ class DraftModelProposer:
         seqs = [item.seq for item in items]
         # First forward: every token the draft has not cached yet (1 normally, 2 after a bonus
         # token, the whole prompt the first time, more after speculation was off for a while).
+        self.catch_up(engine, seqs)
         batch = [(s, s.token_ids[s.num_draft_cached:], s.num_draft_cached) for s in seqs]
         for i in range(max(item.num_spec for item in items)):
             if i > 0:  # then one token per step: the draft's own previous guess
@@ -271,6 +273,21 @@ class DraftModelProposer:
                 seq.num_draft_cached = start + len(tokens)
             logits = self.model.lm_head(hidden[query_start[1:] - 1])
             engine.append_drafts(items, logits)
+
+
+    def catch_up(self, engine, seqs: list[Sequence]):
+        """While the tokens the draft lacks exceed the step's token budget, feed them (all but each
+        sequence's last) in forwards within the budget, as the target's prefill is chunked."""
+        budget = engine.max_num_batched_tokens  # > 2 x the sequences drafting: each chunk makes progress
+        while sum(len(s) - s.num_draft_cached for s in seqs) > budget:
+            chunk = []
+            for s in seqs:
+                n = min(len(s) - s.num_draft_cached - 1, budget - sum(len(t) for _, t, _ in chunk))
+                if n > 0:
+                    chunk.append((s, s.token_ids[s.num_draft_cached:s.num_draft_cached + n], s.num_draft_cached))
+            engine.forward(self.model, chunk)
+            for s, tokens, start in chunk:
+                s.num_draft_cached = start + len(tokens)
 
 
 class MLPProposer:
@@ -305,37 +322,49 @@ def interpolate(table: dict[int, float], x: int) -> float:
 
 
 class GoodputChooser:
-    """Pick K each step to maximise expected tokens per second (goodput).
+    """Pick each sequence's K for a step to maximise expected tokens per second (goodput).
 
-    With a_i the rate at which draft position i is accepted given that every earlier one was, a step
-    with K drafts emits E(K) = 1 + a_0 + a_0*a_1 + ... + a_0*...*a_{K-1} tokens per sequence (the
-    recovered or bonus token always comes). For B decoding sequences it costs
-    verify(B*(K+1) tokens) + K * draft_step(B), so goodput(K) = B * E(K) / cost(K), and K = 0 is plain
-    decoding. The a_i are EMAs over observed steps (neutral prior 0.5); the costs are tables of
-    measured seconds, seeded by a short profile at start-up and refined (EMA) from real steps.
+    With a_i the rate at which a sequence's draft position i is accepted given that every earlier one
+    was, its step emits 1 + a_0 + a_0*a_1 + ... + a_0*...*a_{K-1} tokens in expectation (the recovered
+    or bonus token always comes): each draft is worth the chance that it and every draft before it are
+    accepted. A step costs verify(sum of K+1 over the batch) + max K * draft_step(sequences drafting).
+    K = 0 is plain decoding. The costs are tables of measured seconds, seeded by a short profile at
+    start-up and refined (EMA) from real steps; the a_i are each request's own (acceptance_estimate).
     """
 
     def __init__(self, k_max: int, verify_time: dict[int, float], ema: float = 0.1):
         self.k_max, self.ema = k_max, ema
-        self.acceptance = [0.5] * k_max
         self.verify_time = dict(verify_time)   # tokens in the target forward -> seconds
         self.draft_time = {1: 0.0}             # sequences drafting -> seconds per draft step
 
-    def expected_tokens(self, k: int) -> float:
-        return 1 + sum(math.prod(self.acceptance[:i + 1]) for i in range(k))
+    def choose(self, acceptances: list[list[float]]) -> list[int]:
+        """K per sequence, from each one's a_i (as many as its K may reach): take drafts from the most to
+        the least valuable, and keep the prefix of that order with the highest goodput."""
+        drafts = sorted((-math.prod(a[:j + 1]), j, i) for i, a in enumerate(acceptances) for j in range(len(a)))
+        ks, num_tokens, max_k, drafting = [0] * len(acceptances), len(acceptances), 0, 0
+        expected = float(num_tokens)
+        best, best_ks = expected / self.step_time(num_tokens, 0, 0), list(ks)
+        for minus_value, _, i in drafts:
+            ks[i] += 1
+            num_tokens, expected = num_tokens + 1, expected - minus_value
+            max_k, drafting = max(max_k, ks[i]), drafting + (ks[i] == 1)
+            goodput = expected / self.step_time(num_tokens, max_k, drafting)
+            if goodput > best:
+                best, best_ks = goodput, list(ks)
+        return best_ks
 
-    def choose(self, batch_size: int) -> int:
-        def goodput(k):
-            cost = interpolate(self.verify_time, batch_size * (k + 1)) + k * interpolate(self.draft_time, batch_size)
-            return batch_size * self.expected_tokens(k) / cost
-        return max(range(self.k_max + 1), key=goodput)
-
-    def observe_acceptance(self, num_drafts: int, num_accepted: int):
-        for i in range(min(num_accepted + 1, num_drafts)):  # positions past the first rejection are unseen
-            self.acceptance[i] += self.ema * ((i < num_accepted) - self.acceptance[i])
+    def step_time(self, num_tokens: int, max_k: int, drafting: int) -> float:
+        return interpolate(self.verify_time, num_tokens) + max_k * interpolate(self.draft_time, max(drafting, 1))
 
     def observe_time(self, table: dict[int, float], size: int, seconds: float):
         table[size] = seconds if size not in table else table[size] + self.ema * (seconds - table[size])
+
+
+def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
+    """The request's own acceptance rate at draft positions 0..k-1 (given every earlier draft accepted),
+    starting from a cautious prior of 1/3 (one hit in three tries): a new request bets on long drafts
+    only after it has seen drafts accepted."""
+    return [(seq.accepted_per_position[i] + 1) / (seq.reached_per_position[i] + 3) for i in range(k)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +374,9 @@ class LLMEngine:
     def __init__(self, model: str | None = None, dtype="auto", device="cpu", block_size=16,
                  num_blocks: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs=64,
                  max_num_batched_tokens=2048, max_model_len: int | None = None, draft: str | None = None,
-                 num_spec_tokens=0, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None):
+                 num_spec_tokens=None, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None):
+        if num_spec_tokens is None:  # a draft without a K: auto
+            num_spec_tokens = 0 if draft in (None, "", "none") else "auto"
         k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
         for ok, problem in [  # checked before any model loads
             (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
@@ -456,13 +487,19 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     # -- schedule -----------------------------------------------------------------------------
-    def choose_k(self) -> int:
-        """Engine-wide K for this step (0 = no speculation)."""
-        if self.proposer is None:
-            return 0
-        if self.spec_disable_batch_size is not None and len(self.running) > self.spec_disable_batch_size:
-            return 0
-        return self.chooser.choose(max(len(self.running), 1)) if self.chooser else self.num_spec_tokens
+    def choose_k(self) -> dict[int, int]:
+        """K per decoding sequence this step (seq_id -> K; absent: 0). A request's own num_spec_tokens
+        caps it; it never turns speculation on while the engine has it off."""
+        if self.proposer is None or (self.spec_disable_batch_size is not None
+                                     and len(self.running) > self.spec_disable_batch_size):
+            return {}
+        k_max = self.chooser.k_max if self.chooser else self.num_spec_tokens
+        decoding = [s for s in self.running if s.phase == "decoding"]
+        caps = [k_max if s.params.num_spec_tokens is None else min(k_max, s.params.num_spec_tokens)
+                for s in decoding]
+        if self.chooser:
+            caps = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)])
+        return {s.seq_id: k for s, k in zip(decoding, caps)}
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
@@ -503,15 +540,12 @@ class LLMEngine:
         self.stats["preemptions"] += 1
 
     def schedule(self) -> list[ScheduledSeq]:
-        budget, scheduled, engine_k = self.max_num_batched_tokens, [], self.choose_k()
+        budget, scheduled, ks = self.max_num_batched_tokens, [], self.choose_k()
         for seq in list(self.running):  # oldest first: the oldest always makes progress
             if seq not in self.running or budget == 0:
                 continue  # preempted earlier in this loop, or no token budget left
             num_tokens = min(len(seq) - seq.num_cached, budget)
-            # A request's own K is a cap: it never speculates while the engine chose K = 0.
-            request_k = engine_k if seq.params.num_spec_tokens is None else seq.params.num_spec_tokens
-            k = min(engine_k, request_k, budget - num_tokens, self.max_model_len - len(seq))
-            k = k if seq.phase == "decoding" else 0
+            k = min(ks.get(seq.seq_id, 0), budget - num_tokens, self.max_model_len - len(seq))
             while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + k):
                 if k > 0:
                     k -= 1  # shrink the lookahead before preempting anyone
@@ -658,9 +692,8 @@ class LLMEngine:
         seq.num_cached = len(seq) + num_accepted
         seq.num_draft_cached = min(seq.num_draft_cached, seq.num_cached)
         seq.last_hidden = hidden_row
-        if it.num_spec and self.chooser:
-            self.chooser.observe_acceptance(k, num_accepted)
         if it.num_spec:
+            seq.reached_per_position.update(range(min(num_accepted + 1, k)))
             seq.num_spec_steps += 1
             seq.num_drafted += k
             seq.num_accepted += num_accepted
@@ -762,7 +795,7 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--draft", help="'ngram', a draft model folder, or 'mlp:PATH' (an MLP speculator)")
-    p.add_argument("--num-spec-tokens", default="0", help="K drafts per step, or 'auto'")
+    p.add_argument("--num-spec-tokens", help="K drafts per step, or 'auto' (the default with --draft)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--spec-disable-batch-size", type=int,
@@ -795,7 +828,8 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     rows = [("requests", len(outputs)), ("output tokens", num_tokens), ("elapsed (s)", f"{elapsed:.2f}"),
             ("output tok/s", f"{num_tokens / elapsed:.1f}"),
             ("TTFT median (ms)", f"{1000 * median([o.ttft for o in outputs]):.1f}"),
-            ("TPOT median (ms)", f"{1000 * median([o.tpot for o in outputs]):.1f}")]
+            ("TPOT median (ms)", f"{1000 * median([o.tpot for o in outputs]):.1f}"),
+            ("dtype, kernels", f"{str(llm.dtype).removeprefix('torch.')}, {kernels.kernels_summary(llm.device)}")]
     drafted, accepted = sum(o.num_draft_tokens for o in outputs), sum(o.num_accepted_tokens for o in outputs)
     spec_steps = sum(o.num_spec_steps for o in outputs)
     if llm.proposer is not None:
@@ -824,7 +858,8 @@ def main(argv=None) -> int:
     from rich.console import Console
     console = Console()
     try:
-        k = int(args.num_spec_tokens) if args.num_spec_tokens.isdigit() else args.num_spec_tokens
+        k = args.num_spec_tokens
+        k = int(k) if k and k.isdigit() else k
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
                                 logprobs=args.logprobs)

@@ -7,7 +7,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from kernels import use_linears
+from kernels import auto_dtype, use_linears
 from models.llama import LlamaForCausalLM
 from models.opt import OPTForCausalLM
 
@@ -35,13 +35,15 @@ def read_config(path: str) -> dict:
         raise ValueError(f"{config_file}: not valid JSON ({e})") from None
 
 
-def resolve_dtype(dtype, config: dict) -> torch.dtype:
+def resolve_dtype(dtype, config: dict, device="cpu") -> torch.dtype:
+    """A torch dtype, a name, or "auto": chosen for the device from the checkpoint's (kernels.auto_dtype)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+        checkpoint_dtype = DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32)
+        return auto_dtype(checkpoint_dtype, device)
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from auto, {', '.join(DTYPES)})")
     return DTYPES[dtype]
 
 
@@ -106,7 +108,7 @@ def load_model(path: str, dtype="auto", device="cpu", pack=True):
     if arch is None:
         raise ValueError(f"{path}: unsupported architecture {archs or config.get('model_type')!r} "
                          f"(supported: {', '.join(ARCHITECTURES)})")
-    dtype = resolve_dtype(dtype, config)
+    dtype = resolve_dtype(dtype, config, device)
     try:
         with torch.device("meta"):
             model = ARCHITECTURES[arch](config, arch)

@@ -93,7 +93,7 @@ def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
         raise ValueError(f"{config_file}: model_type is {config.get('model_type')!r}, expected 'mlp_speculator'")
     with torch.device("meta"):
         model = MLPSpeculator(config)
-    dtype = resolve_dtype(dtype, config)
+    dtype = resolve_dtype(dtype, config, device)
     state = {k.removeprefix("speculator."): v for k, v in read_checkpoint(path, dtype).items()}
     weights = {}
     for name, param in model.state_dict().items():

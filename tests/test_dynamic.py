@@ -3,7 +3,7 @@
 import pytest
 
 import tiny
-from nanospec import LLM, GoodputChooser, SamplingParams, interpolate
+from nanospec import LLM, GoodputChooser, SamplingParams, Sequence, acceptance_estimate, interpolate
 from test_engine import GREEDY, prompts
 
 
@@ -13,41 +13,40 @@ def test_interpolate():
     assert interpolate(table, 6) == 4.0 and interpolate(table, 16) == 12.0
 
 
-def test_expected_tokens_and_acceptance_tracking():
-    chooser = GoodputChooser(3, {1: 1.0})
-    chooser.acceptance = [0.5, 0.5, 0.5]
-    assert chooser.expected_tokens(0) == 1 and chooser.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125
-    chooser.observe_acceptance(num_drafts=3, num_accepted=1)  # pos 0 accepted, pos 1 rejected, pos 2 unseen
-    assert chooser.acceptance[0] > 0.5 and chooser.acceptance[1] < 0.5 and chooser.acceptance[2] == 0.5
+def test_acceptance_estimate_is_per_request_and_cautious():
+    seq = Sequence([1, 2, 3], SamplingParams(), "cpu")
+    assert acceptance_estimate(seq, 3) == [1 / 3] * 3  # nothing seen yet: the prior
+    seq.reached_per_position.update([0, 1, 0, 1])  # two steps: both accepted position 0, rejected 1
+    seq.accepted_per_position.update([0, 0])
+    assert acceptance_estimate(seq, 3) == [3 / 5, 1 / 5, 1 / 3]
 
 
 def test_chooser_turns_speculation_off_when_verification_is_expensive():
     linear = {t: 0.01 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}  # every verified token costs the same
     chooser = GoodputChooser(8, linear)
-    chooser.acceptance = [0.6] * 8
-    assert chooser.choose(1) == 0 and chooser.choose(16) == 0
+    assert chooser.choose([[0.6] * 8]) == [0] and chooser.choose([[0.6] * 8] * 16) == [0] * 16
 
 
 def test_chooser_speculates_when_verification_is_cheap_and_acceptance_high():
     flat = {t: 0.02 + 0.0001 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}  # memory-bound: tokens nearly free
     chooser = GoodputChooser(8, flat)
-    chooser.acceptance = [0.9] * 8
-    assert chooser.choose(1) == 8
-    chooser.acceptance = [0.3] * 8
-    assert 0 < chooser.choose(1) < 8
+    assert chooser.choose([[0.9] * 8]) == [8]
+    assert 0 < chooser.choose([[0.3] * 8])[0] < 8
+    assert chooser.choose([[0.9] * 3]) == [3]  # a sequence's K never exceeds its cap (its list's length)
+    # A cautious new request (prior 1/3) beside one with a proven record: the proven one drafts longer.
+    new, proven = chooser.choose([[1 / 3] * 8, [0.9] * 8])
+    assert 0 < new < proven
     # A batch large enough that verification becomes compute-bound makes speculation lose again.
     steep = {1: 0.02, 16: 0.03, 32: 0.06, 64: 0.12, 128: 0.24}
     chooser = GoodputChooser(8, steep)
-    chooser.acceptance = [0.6] * 8
-    assert chooser.choose(1) > 0 and chooser.choose(64) == 0
+    assert chooser.choose([[0.6] * 8])[0] > 0 and chooser.choose([[0.6] * 8] * 64) == [0] * 64
 
 
 def test_chooser_counts_draft_cost():
     chooser = GoodputChooser(8, {t: 0.02 for t in (1, 2, 4, 8, 16)})
-    chooser.acceptance = [0.5] * 8
-    cheap = chooser.choose(1)
+    cheap = chooser.choose([[0.5] * 8])[0]
     chooser.draft_time = {1: 0.05}  # each draft step costs more than a whole verification
-    assert chooser.choose(1) < cheap
+    assert chooser.choose([[0.5] * 8])[0] < cheap
 
 
 @pytest.fixture(scope="module")

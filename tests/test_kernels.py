@@ -272,6 +272,23 @@ def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
         assert kernels.cpu_isa() == isa and len(list(tmp_path.glob(f"cpu_kernels-{isa}-*.so"))) == 1
 
 
+def test_auto_dtype_follows_the_hardware(monkeypatch):
+    """--dtype auto: bf16 where the C kernels run or torch has bf16 instructions, fp32 on a CPU with
+    neither (torch's bf16 matmul is slow there); a GPU keeps a 16-bit checkpoint's dtype."""
+    assert kernels.auto_dtype(torch.float16, "cuda") == torch.float16
+    assert kernels.auto_dtype(torch.float32, "cuda") == torch.bfloat16
+    monkeypatch.setattr(kernels, "_cpu_lib", object())  # C kernels built
+    assert kernels.auto_dtype(torch.float32, "cpu") == torch.bfloat16
+    monkeypatch.setattr(kernels, "_cpu_lib", None)  # no C kernels
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512_bf16"})
+    assert kernels.auto_dtype(torch.float32, "cpu") == torch.bfloat16
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    assert kernels.auto_dtype(torch.float32, "cpu") == torch.float32
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512_bf16"})
+    monkeypatch.setenv("NANOSPEC_ISA", "avx2")  # behaving like a smaller CPU: no bf16 instructions
+    assert kernels.auto_dtype(torch.float32, "cpu") == torch.float32
+
+
 def test_elementwise_ops_on_empty_batch():
     q, k, _ = qkv_views(0, 4, 2, 16, torch.float32)
     assert kernels.triton_rotary(q, rope_cache(8, 16)[:0]).shape == q.shape

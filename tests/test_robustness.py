@@ -184,3 +184,33 @@ def test_chat_templates_render_in_a_sandbox(tmp_path):
         config.write_text(json.dumps({"chat_template": escape}))
         with pytest.raises(ValueError, match="chat template failed"):
             Tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_draft_catch_up_stays_within_the_token_budget(target, plain):
+    """Issue 16 item 9: the draft model's first forward feeds every token it lacks (the whole prompt the
+    first time); that forward is chunked within max_num_batched_tokens, like the target's prefill."""
+    llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=12,
+              draft=target, num_spec_tokens=3)
+    forward, draft_sizes = llm.forward, []
+
+    def spy(model, batch):
+        if model is llm.proposer.model:
+            draft_sizes.append(sum(len(tokens) for _, tokens, _ in batch))
+        return forward(model, batch)
+    llm.forward = spy
+    long_prompts = [list(range(3, 40)), list(range(50, 75))]  # 37 and 25 tokens: more than the budget
+    outs = llm.generate(long_prompts, GREEDY, use_progress=False)
+    expected = plain.generate(long_prompts, GREEDY, use_progress=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert max(draft_sizes) <= 12 and sum(o.num_accepted_tokens for o in outs) > 0
+
+
+def test_cli_draft_without_k_means_auto_and_names_dtype_and_kernels(target, monkeypatch, capsys):
+    import nanospec
+    choosers = []
+    real = nanospec.GoodputChooser
+    monkeypatch.setattr(nanospec, "GoodputChooser", lambda *a: choosers.append(real(*a)) or choosers[-1])
+    args = ["--model", target, "--draft", "ngram", "--prompt", "abcabc", "--max-tokens", "6", "--dtype", "float32"]
+    assert main(args) == 0 and len(choosers) == 1
+    out = capsys.readouterr().out
+    assert "dtype, kernels" in out and "float32" in out
