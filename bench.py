@@ -24,72 +24,15 @@ GROUNDED_SOURCES = ["textwrap.dedent", "shlex.split", "fnmatch.translate", "json
                     "difflib.get_close_matches", "difflib.unified_diff", "html.escape"]
 
 
-TASKS = ["Rewrite this function with a short comment above each block. Show the whole function.",
-         "Explain step by step what this function does.",
-         "Write a docstring for this function, then show the function with the docstring added."]
-STDLIB_MODULES = ["textwrap", "shlex", "fnmatch", "json.encoder", "base64", "string", "statistics", "heapq",
-                  "calendar", "colorsys", "glob", "difflib", "html", "csv", "argparse", "ipaddress", "urllib.parse",
-                  "email.utils", "gettext", "tokenize", "dataclasses", "functools", "pprint", "configparser",
-                  "zipfile", "tarfile", "random", "fractions", "decimal", "quopri", "uu", "netrc", "mimetypes"]
-
-
-def code_prompt(func, task: str) -> str:
-    return f"Here is a Python function:\n\n```python\n{inspect.getsource(func)}```\n\n{task}"
+TASK = "Rewrite this function with a short comment above each block. Show the whole function."
 
 
 def grounded_workload() -> list[str]:
     import importlib
-    return [code_prompt(getattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]), TASKS[0])
-            for name in GROUNDED_SOURCES]
-
-
-def stdlib_workload() -> list[str]:
-    """Training prompts for train_speculator.py: short functions of many stdlib modules, three kinds of
-    task, never one of the GROUNDED_SOURCES (those stay held apart for evaluation)."""
-    import importlib
-    import warnings
     prompts = []
-    for module_name in STDLIB_MODULES:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError:
-                continue
-        for name, func in inspect.getmembers(module, inspect.isfunction):
-            if func.__module__ != module.__name__ or f"{module_name}.{name}" in GROUNDED_SOURCES:
-                continue
-            if 4 <= len(inspect.getsource(func).splitlines()) <= 40:
-                prompts.append(code_prompt(func, TASKS[len(prompts) % len(TASKS)]))
-    return prompts
-
-
-DOC_TASKS = ["Explain this documentation to a beginner, with an example.", "Summarize this text in a few sentences.",
-             "Write three questions a student might ask about this text, and answer them."]
-SKIPPED_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "pydoc_data", "lib2to3"}
-
-
-def docs_workload() -> list[str]:
-    """Training text for train_speculator.py: docstrings of the standard library (modules, classes and
-    functions of at least 300 characters), each asked about in a request. Never used for evaluation."""
-    import importlib
-    import warnings
-    prompts = []
-    for module_name in sorted(sys.stdlib_module_names - SKIPPED_MODULES):
-        if module_name.startswith("_"):
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                module = importlib.import_module(module_name)
-            except Exception:  # platform-specific or broken on this machine
-                continue
-        members = [module] + [m for _, m in inspect.getmembers(module, inspect.isclass) + inspect.getmembers(
-            module, inspect.isfunction) if m.__module__ == module_name]  # defined here, not imported
-        for member in members:
-            doc = inspect.getdoc(member) or ""
-            if len(doc) >= 300:
-                prompts.append(f"{doc[:2000]}\n\n{DOC_TASKS[len(prompts) % len(DOC_TASKS)]}")
+    for name in GROUNDED_SOURCES:
+        func = getattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1])
+        prompts.append(f"Here is a Python function:\n\n```python\n{inspect.getsource(func)}```\n\n{TASK}")
     return prompts
 
 
@@ -120,7 +63,7 @@ def chat_workload() -> list[str]:
 
 
 def read_workload(spec: str) -> list[str]:
-    builtin = {"grounded": grounded_workload, "stdlib": stdlib_workload, "docs": docs_workload, "chat": chat_workload}
+    builtin = {"grounded": grounded_workload, "chat": chat_workload}
     if spec in builtin:
         return builtin[spec]()
     with open(spec) as f:
@@ -195,12 +138,13 @@ def machine_info(dtype, device):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps ('bench.py kernels' times kernels)")
+    p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps (bench.py kernels "
+                                             "--compile-only: the Triton kernels' GPU compile table)")
     p.add_argument("--model", default="default", help="model folder, or 'default' (embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="none,ngram", help="comma list of: none, ngram, PATH, mlp:PATH")
     p.add_argument("--num-spec-tokens", default="4", help="comma list of K values and/or 'auto'")
     p.add_argument("--batch-sizes", default="1,4,16")
-    p.add_argument("--workload", default="grounded", help="'grounded', 'stdlib', 'docs', 'chat' (built in) or a JSONL file")
+    p.add_argument("--workload", default="grounded", help="'grounded', 'chat' (built in) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per run (default: the batch size)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -285,59 +229,6 @@ def sweep(args):
             json.dump({"args": vars(args), "machine": machine, "results": results}, f, indent=1)
 
 
-def bench_kernels():
-    """Each Triton kernel against its torch reference on CUDA (triton's do_bench, median)."""
-    if not torch.cuda.is_available():
-        print("bench.py kernels: no CUDA device here; the Triton kernels are only timed on a GPU.")
-        return
-    import triton
-    import kernels
-    dev, dtype = "cuda", torch.bfloat16
-    num_kv, group, head_dim, block_size = 8, 4, 128, 16
-    copy = torch.empty(2**28, dtype=torch.uint8, device=dev)
-    copy_gbs = 2 * copy.numel() / triton.testing.do_bench(lambda: copy.clone()) / 1e6
-    print(f"{torch.cuda.get_device_name()}: device copy bandwidth {copy_gbs:.0f} GB/s")
-    for q_len in (1, 5):
-        for batch in (1, 8, 64):
-            for context in (512, 2048, 8192):
-                blocks_per_seq = context // block_size
-                kc = torch.randn(batch * blocks_per_seq, block_size, num_kv, head_dim, device=dev, dtype=dtype)
-                vc = torch.randn_like(kc)
-                tables = torch.arange(batch * blocks_per_seq, device=dev, dtype=torch.int32).view(batch, -1)
-                seq_lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
-                qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32) * q_len
-                q = torch.randn(batch * q_len, num_kv * group, head_dim, device=dev, dtype=dtype)
-                args = (q, kc, vc, tables, seq_lens, qsl, head_dim ** -0.5, q_len, context)
-                t_triton = triton.testing.do_bench(lambda: kernels.triton_paged_attention(*args))
-                t_torch = triton.testing.do_bench(lambda: kernels.torch_paged_attention(*args))
-                gbs = 2 * kc.numel() * kc.element_size() / t_triton / 1e6
-                tflops = 4 * batch * q_len * num_kv * group * context * head_dim / t_triton / 1e9
-                print(f"paged_attention q_len {q_len} batch {batch:3d} ctx {context:5d}: triton {1000 * t_triton:8.1f} us "
-                      f"({gbs:6.0f} GB/s, {tflops:5.1f} TFLOP/s)  torch {1000 * t_torch:8.1f} us")
-    # Elementwise kernels on 4096 tokens: bandwidth is what they can achieve (bytes read + written).
-    tokens, hidden, heads = 4096, 4096, 32
-    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
-    w = torch.randn(hidden, device=dev, dtype=dtype)
-    q_k = torch.randn(tokens, heads + num_kv, head_dim, device=dev, dtype=dtype)  # a layer's q and k heads
-    k = q_k[:, heads:]
-    cos_sin = torch.randn(tokens, head_dim, device=dev, dtype=dtype)
-    k_cache = torch.zeros(tokens // block_size, block_size, num_kv, head_dim, device=dev, dtype=dtype)
-    slots = torch.randperm(tokens, device=dev)
-    vocab, k_max, batch = 128 * 1024, 4, 64
-    probs = torch.softmax(torch.randn(batch, k_max + 1, vocab, device=dev), -1)
-    sample_args = (probs, torch.randint(vocab, (batch, k_max), device=dev), probs[:, :k_max].clone(),
-                   torch.full((batch,), k_max, device=dev), torch.rand(batch, k_max, device=dev),
-                   torch.empty(batch, vocab, device=dev).exponential_())
-    cases = [("rms_norm", (x, w, 1e-6), 2 * x.nbytes), ("silu_mul", (x,), 1.5 * x.nbytes),
-             ("rotary", (q_k, cos_sin), 2 * q_k.nbytes),
-             ("store_kv", (k, k, k_cache, k_cache.clone(), slots), 4 * k.nbytes),
-             ("rejection_sample", sample_args, 2 * probs.nbytes)]
-    for name, args, nbytes in cases:
-        t = triton.testing.do_bench(lambda: getattr(kernels, f"triton_{name}")(*args))
-        r = triton.testing.do_bench(lambda: getattr(kernels, f"torch_{name}")(*args))
-        print(f"{name}: triton {1000 * t:.1f} us ({nbytes / t / 1e6:.0f} GB/s)  torch {1000 * r:.1f} us")
-
-
 # Targets of `bench.py kernels --compile-only`: GPUTarget arguments, and the shared memory a block may use.
 COMPILE_TARGETS = {"sm_80": (("cuda", 80, 32), 163 << 10), "sm_90": (("cuda", 90, 32), 227 << 10),
                    "gfx942": (("hip", "gfx942", 64), 64 << 10)}
@@ -345,8 +236,7 @@ COMPILE_TARGETS = {"sm_80": (("cuda", 80, 32), 163 << 10), "sm_90": (("cuda", 90
 
 def compile_cases():
     """The launches the Triton wrappers make (recorded on meta tensors) for fp32/fp16/bf16, head_dim 64 and
-    128, GQA groups 1, 3, 8, block sizes 1 and 16, split KV (contexts over KV_SEGMENT) and
-    unsplit, one-hot and probability drafts (probabilities are fp32 in the engine)."""
+    128, GQA groups 1, 3, 8, block sizes 1 and 16, split KV (contexts over KV_SEGMENT) and unsplit."""
     import kernels
     kernels.meta_launches.clear()
     meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")
@@ -363,9 +253,6 @@ def compile_cases():
         for hidden, residual in ((576, None), (8192, meta(4, 8192, dtype=dtype))):
             kernels.triton_rms_norm(meta(4, hidden, dtype=dtype), meta(hidden, dtype=dtype), 1e-6, residual)
             kernels.triton_silu_mul(meta(4, 2 * hidden, dtype=dtype))
-    for draft_probs in (None, meta(8, 4, 151936)):
-        kernels.triton_rejection_sample(meta(8, 5, 151936), longs(8, 4), draft_probs, longs(8), meta(8, 4),
-                                        meta(8, 151936))
     return list(kernels.meta_launches)
 
 
@@ -427,8 +314,8 @@ def compile_kernels():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["kernels"]:
-        return compile_kernels() if "--compile-only" in argv else bench_kernels()
+    if argv[:2] == ["kernels", "--compile-only"]:
+        return compile_kernels()
     sweep(parse_args(argv))
 
 

@@ -1,5 +1,5 @@
 # The hot ops of every forward: linear layers, paged KV store, unified varlen paged attention, RMSNorm,
-# rotary, SiLU-and-mul, and the rejection-sampling steps. Each op has a plain-torch reference (`torch_*`),
+# rotary and SiLU-and-mul. Each op has a plain-torch reference (`torch_*`),
 # a Triton kernel (`triton_*`) for GPUs and, on CPUs, C kernels (`c_*`, cpu_kernels.c) where they pay.
 # One public function per op picks, by one rule (`pick`). Every implementation computes a row the same
 # way whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless
@@ -175,11 +175,6 @@ def silu_mul(x):
     return pick(x, triton_silu_mul, None, torch_silu_mul)(x)
 
 
-def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
-    fn = pick(target_probs, triton_rejection_sample, None, torch_rejection_sample)
-    return fn(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise)
-
-
 def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
     ctx = get_context()
@@ -349,36 +344,6 @@ def torch_silu_mul(x):
     """x: [T, 2I] = [gate | up] -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def torch_rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
-    """Lossless speculative acceptance for a padded batch.
-
-    target_probs [B, K+1, V]; draft_tokens [B, K]; draft_probs [B, K, V], or None for one-hot drafts
-    (n-gram); num_drafts [B] (rows past it are padding); uniform [B, K] in [0, 1); exp_noise [B, V] Exp(1).
-    Accept d_i with prob min(1, p(d_i) / q(d_i)) up to the first rejection; then emit one token: from
-    norm(max(p - q, 0)) at a rejection (the "recovered" token) or from p at row K_b when every draft
-    was accepted (the "bonus" token), sampled as argmax(dist / Exp(1)), which needs no normalisation.
-    Returns (num_accepted [B], next_token [B]).
-    """
-    num_seqs, max_k = draft_tokens.shape
-    batch = torch.arange(num_seqs, device=target_probs.device)
-    if max_k == 0:
-        return torch.zeros_like(num_drafts), (target_probs[:, 0] / exp_noise).argmax(-1)
-    p_draft = target_probs[:, :max_k].gather(2, draft_tokens[..., None]).squeeze(-1)
-    q_draft = 1.0 if draft_probs is None else draft_probs.gather(2, draft_tokens[..., None]).squeeze(-1)
-    accepted = (uniform * q_draft < p_draft) & (torch.arange(max_k, device=batch.device) < num_drafts[:, None])
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
-    p_next = target_probs[batch, num_accepted]
-    at = num_accepted.clamp(max=max_k - 1)  # the rejected position (clamped when all were accepted)
-    if draft_probs is None:  # one-hot q: max(p - q, 0) is p with the rejected token zeroed
-        residual = p_next.scatter(1, draft_tokens[batch, at][:, None], 0.0)
-    else:
-        residual = (p_next - draft_probs[batch, at]).clamp_min(0)
-    # A residual that rounds to all-zero can only come from p == q, where rejection had probability 0.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-    dist = torch.where((num_accepted < num_drafts)[:, None], residual, p_next)
-    return num_accepted, (dist / exp_noise).argmax(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,128 +624,8 @@ def triton_silu_mul(x):
     return out.view(*shape[:-1], inter)
 
 
-@triton.jit
-def _running_argmax(best, best_col, score, cols):
-    """Per-lane running argmax: a lane keeps the first column holding its largest score so far."""
-    better = score > best  # strict: on a tie the earlier column (earlier tile) stays
-    return tl.where(better, score, best), tl.where(better, cols, best_col)
-
-
-@triton.jit
-def _first_argmax(best, best_col, vocab):
-    """Reduce the per-lane argmaxes to the first column holding the global max (torch.argmax's tie rule)."""
-    return tl.min(tl.where(best == tl.max(best, 0), best_col, vocab), 0)
-
-
-@triton.jit
-def _rejection_sample_kernel(
-        target_ptr, draft_tokens_ptr, draft_probs_ptr, num_drafts_ptr, uniform_ptr, noise_ptr,
-        num_accepted_ptr, next_token_ptr, vocab, max_k,
-        stride_tb, stride_tk, stride_db, stride_qb, stride_qk, stride_ub, stride_nb,
-        ONE_HOT: tl.constexpr, K_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
-    target_ptr += seq * stride_tb
-    draft_tokens_ptr += seq * stride_db
-    draft_probs_ptr += seq * stride_qb
-    noise_ptr += seq * stride_nb
-
-    # 1. Accept d_i iff u_i * q(d_i) < p(d_i), up to the first rejection. The (at most K) drafts are
-    # tested as one vector (K is small: no loop with an early exit needed); num_accepted = the index
-    # of the first draft not accepted.
-    num_drafts = tl.minimum(tl.load(num_drafts_ptr + seq), max_k)
-    i = tl.arange(0, K_PAD)
-    valid = i < num_drafts
-    draft = tl.load(draft_tokens_ptr + i, mask=valid, other=0)
-    p_draft = tl.load(target_ptr + i * stride_tk + draft, mask=valid, other=0.0)
-    uniform = tl.load(uniform_ptr + seq * stride_ub + i, mask=valid, other=1.0)
-    if ONE_HOT:
-        accepted = (uniform < p_draft) & valid  # q(d_i) = 1
-    else:
-        q_draft = tl.load(draft_probs_ptr + i * stride_qk + draft, mask=valid, other=0.0)
-        accepted = (uniform * q_draft < p_draft) & valid
-    num_accepted = tl.minimum(tl.min(tl.where(accepted, K_PAD, i), 0), num_drafts)
-    tl.store(num_accepted_ptr + seq, num_accepted)
-
-    # 2. The next token: argmax(dist / Exp(1)) over the vocabulary, in tiles, with dist = max(p - q, 0)
-    # at a rejection (the recovered token) and p at row num_accepted (the bonus token, and the fallback
-    # when the residual is all zero, i.e. p == q). Both argmaxes are tracked in the same pass; when
-    # nothing was rejected the q loads are masked off, so the "residual" is p itself.
-    rejected = num_accepted < num_drafts
-    p_ptr = target_ptr + num_accepted * stride_tk
-    at = tl.minimum(num_accepted, max_k - 1)  # the rejected position
-    if ONE_HOT:  # max(p - onehot(d), 0) is p with d zeroed; -1 (no column) when nothing was rejected
-        rejected_token = tl.load(draft_tokens_ptr + at, mask=rejected, other=-1)
-    q_ptr = draft_probs_ptr + at * stride_qk
-    q_vocab = tl.where(rejected, vocab, 0)  # the q columns to read: none unless rejected
-    best_res = tl.full([BLOCK_V], -1.0, tl.float32)  # below every score (scores are >= 0)
-    best_p = tl.full([BLOCK_V], -1.0, tl.float32)
-    col_res = tl.zeros([BLOCK_V], tl.int32)
-    col_p = tl.zeros([BLOCK_V], tl.int32)
-    residual_max = tl.zeros([BLOCK_V], tl.float32)
-    for start in range(0, vocab, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        in_vocab = cols < vocab
-        p = tl.load(p_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
-        noise = tl.load(noise_ptr + cols, mask=in_vocab, other=1.0).to(tl.float32)
-        if ONE_HOT:
-            residual = tl.where(cols == rejected_token, 0.0, p)
-        else:
-            q = tl.load(q_ptr + cols, mask=cols < q_vocab, other=0.0).to(tl.float32)
-            residual = tl.maximum(p - q, 0.0)
-        residual_max = tl.maximum(residual_max, residual)
-        # div_rn: Triton's fp32 `/` is approximate (div.full, up to 2 ulp) on NVIDIA; torch's is IEEE.
-        score_res = tl.where(in_vocab, tl.math.div_rn(residual, noise), -1.0)
-        score_p = tl.where(in_vocab, tl.math.div_rn(p, noise), -1.0)
-        best_res, col_res = _running_argmax(best_res, col_res, score_res, cols)
-        best_p, col_p = _running_argmax(best_p, col_p, score_p, cols)
-    # "Some residual > 0" is the reference's "residual sum > 0" (a sum of non-negatives).
-    use_residual = rejected & (tl.max(residual_max, 0) > 0)
-    token = tl.where(use_residual, _first_argmax(best_res, col_res, vocab),
-                     _first_argmax(best_p, col_p, vocab))
-    tl.store(next_token_ptr + seq, token)
-
-
-REJECTION_BLOCK_V = 2048  # vocabulary tile of the rejection sampler (tests shrink it to loop more)
-
-
-def triton_rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
-    """Fused acceptance + recovered/bonus sampling, one program per request (see torch_rejection_sample).
-
-    A program tests its K drafts as one vector, then walks the vocabulary once in BLOCK_V-wide tiles,
-    keeping a per-lane running argmax (strict >, so earlier columns win ties) of residual / noise and
-    of p / noise; one reduction at the end picks the first column with the global max, exactly what
-    torch.argmax returns. No normalisation and no host sync: which distribution wins is decided on the
-    device. Each of p, q and the noise is read once (the torch version makes several [B, V] passes).
-    BLOCK_V = 2048 with 8 warps: 8 elements per thread per load, three loads in flight per tile,
-    enough memory parallelism for one program to stream a 150k vocabulary, while the 5 per-lane state
-    vectors (40 registers a thread) stay in registers. One program per request leaves most SMs idle
-    at batch 1, but this is ~2 MB read per request, small next to the verification forward;
-    splitting the vocabulary across programs (plus a merge) is the next step if it ever shows up in a
-    profile. Exact vs torch for fp32 probabilities (what the engine passes): the same fp32 ops, with
-    IEEE division.
-    """
-    num_seqs, max_k = draft_tokens.shape
-    vocab = target_probs.shape[-1]
-    one_hot = draft_probs is None
-    draft_probs = target_probs if one_hot else draft_probs  # (never read when one-hot)
-    assert target_probs.stride(2) == draft_probs.stride(-1) == exp_noise.stride(1) == 1
-    assert max_k == 0 or (draft_tokens.stride(1) == uniform.stride(1) == 1)
-    num_accepted = torch.empty(num_seqs, dtype=torch.int64, device=target_probs.device)
-    next_token = torch.empty(num_seqs, dtype=torch.int64, device=target_probs.device)
-    if num_seqs == 0:
-        return num_accepted, next_token
-    _launch(_rejection_sample_kernel, (num_seqs,), (
-        target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise, num_accepted,
-        next_token, vocab, max_k, target_probs.stride(0), target_probs.stride(1),
-        draft_tokens.stride(0), draft_probs.stride(0), draft_probs.stride(1), uniform.stride(0),
-        exp_noise.stride(0)), 8, ONE_HOT=one_hot, K_PAD=_pow2(max_k),
-        BLOCK_V=min(_pow2(vocab), REJECTION_BLOCK_V))
-    return num_accepted, next_token
-
-
 if not HAS_TRITON:
     def _triton_missing(*args, **kwargs):
         raise RuntimeError("Triton is not installed (pip install triton); the torch_* ops still work")
 
-    triton_store_kv = triton_paged_attention = triton_rms_norm = triton_rotary = triton_silu_mul = \
-        triton_rejection_sample = _triton_missing
+    triton_store_kv = triton_paged_attention = triton_rms_norm = triton_rotary = triton_silu_mul = _triton_missing

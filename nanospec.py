@@ -217,6 +217,62 @@ def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[
     return num_accepted, next_tokens
 
 
+def accept_by_rejection(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Standard rejection sampling (unseeded requests): the batch padded to its longest draft."""
+    device = logits.device
+    max_k = max(len(it.drafts) for it in sampling)
+    vocab = logits.shape[-1]
+    seqs_per_row = [it.seq for it in sampling for _ in range(len(it.drafts) + 1)]
+    probs_rows = logits_to_probs(logits, seqs_per_row).split([len(it.drafts) + 1 for it in sampling])
+    target_probs = torch.zeros(len(sampling), max_k + 1, vocab, device=device)
+    draft_tokens = torch.zeros(len(sampling), max_k, dtype=torch.long, device=device)
+    one_hot_drafts = all(it.draft_probs is None for it in sampling)
+    draft_probs = None if one_hot_drafts else torch.zeros(len(sampling), max_k, vocab, device=device)
+    uniform = torch.zeros(len(sampling), max_k, device=device)
+    for b, (it, p) in enumerate(zip(sampling, probs_rows)):
+        k = len(it.drafts)
+        target_probs[b, :k + 1] = p
+        draft_tokens[b, :k] = torch.tensor(it.drafts, dtype=torch.long)
+        if draft_probs is not None and k:
+            draft_probs[b, :k] = it.draft_probs
+        if k and it.seq.params.temperature > 0:
+            uniform[b, :k] = torch.rand(k, generator=it.seq.generator, device=device)
+    noise = exp_noise([it.seq for it in sampling], vocab, device)
+    num_drafts = torch.tensor([len(it.drafts) for it in sampling], device=device)
+    num_accepted, next_tokens = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, noise)
+    return num_accepted.tolist(), next_tokens.tolist()
+
+
+def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
+    """Lossless speculative acceptance for a padded batch.
+
+    target_probs [B, K+1, V]; draft_tokens [B, K]; draft_probs [B, K, V], or None for one-hot drafts
+    (n-gram); num_drafts [B] (rows past it are padding); uniform [B, K] in [0, 1); exp_noise [B, V] Exp(1).
+    Accept d_i with prob min(1, p(d_i) / q(d_i)) up to the first rejection; then emit one token: from
+    norm(max(p - q, 0)) at a rejection (the "recovered" token) or from p at row K_b when every draft
+    was accepted (the "bonus" token), sampled as argmax(dist / Exp(1)), which needs no normalisation.
+    Returns (num_accepted [B], next_token [B]).
+    """
+    num_seqs, max_k = draft_tokens.shape
+    batch = torch.arange(num_seqs, device=target_probs.device)
+    if max_k == 0:
+        return torch.zeros_like(num_drafts), (target_probs[:, 0] / exp_noise).argmax(-1)
+    p_draft = target_probs[:, :max_k].gather(2, draft_tokens[..., None]).squeeze(-1)
+    q_draft = 1.0 if draft_probs is None else draft_probs.gather(2, draft_tokens[..., None]).squeeze(-1)
+    accepted = (uniform * q_draft < p_draft) & (torch.arange(max_k, device=batch.device) < num_drafts[:, None])
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    p_next = target_probs[batch, num_accepted]
+    at = num_accepted.clamp(max=max_k - 1)  # the rejected position (clamped when all were accepted)
+    if draft_probs is None:  # one-hot q: max(p - q, 0) is p with the rejected token zeroed
+        residual = p_next.scatter(1, draft_tokens[batch, at][:, None], 0.0)
+    else:
+        residual = (p_next - draft_probs[batch, at]).clamp_min(0)
+    # A residual that rounds to all-zero can only come from p == q, where rejection had probability 0.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    dist = torch.where((num_accepted < num_drafts)[:, None], residual, p_next)
+    return num_accepted, (dist / exp_noise).argmax(-1)
+
+
 def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, float]:
     """vLLM's logprobs: log_softmax of the raw logits (before temperature, top-k, top-p) for the sampled
     token and the top_n most likely ones."""
@@ -649,7 +705,7 @@ class LLMEngine:
         others = [i for i, it in enumerate(sampling) if not couples(it.seq)]
         per_chunk = max(1, REJECTION_CHUNK_BYTES // (8 * logits.shape[-1] * max(starts[i + 1] - starts[i]
                                                                                  for i in range(len(sampling)))))
-        groups = [(coupled, accept_coupled)] + [(others[i:i + per_chunk], self.rejection_sample)
+        groups = [(coupled, accept_coupled)] + [(others[i:i + per_chunk], accept_by_rejection)
                                                  for i in range(0, len(others), per_chunk)]
         results = {}
         for group, accept in groups:
@@ -657,31 +713,6 @@ class LLMEngine:
                 rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in group]).to(logits.device)
                 results.update(zip(group, zip(*accept([sampling[i] for i in group], logits[rows]))))
         return [results[i] for i in range(len(sampling))]
-
-    def rejection_sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor):
-        """Standard rejection sampling over the padded batch -> (num_accepted, next_token) lists."""
-        max_k = max(len(it.drafts) for it in sampling)
-        vocab = logits.shape[-1]
-        seqs_per_row = [it.seq for it in sampling for _ in range(len(it.drafts) + 1)]
-        probs_rows = logits_to_probs(logits, seqs_per_row).split([len(it.drafts) + 1 for it in sampling])
-        target_probs = torch.zeros(len(sampling), max_k + 1, vocab, device=self.device)
-        draft_tokens = torch.zeros(len(sampling), max_k, dtype=torch.long, device=self.device)
-        one_hot_drafts = all(it.draft_probs is None for it in sampling)
-        draft_probs = None if one_hot_drafts else torch.zeros(len(sampling), max_k, vocab, device=self.device)
-        uniform = torch.zeros(len(sampling), max_k, device=self.device)
-        for b, (it, p) in enumerate(zip(sampling, probs_rows)):
-            k = len(it.drafts)
-            target_probs[b, :k + 1] = p
-            draft_tokens[b, :k] = torch.tensor(it.drafts, dtype=torch.long)
-            if draft_probs is not None and k:
-                draft_probs[b, :k] = it.draft_probs
-            if k and it.seq.params.temperature > 0:
-                uniform[b, :k] = torch.rand(k, generator=it.seq.generator, device=self.device)
-        noise = exp_noise([it.seq for it in sampling], vocab, self.device)
-        num_drafts = torch.tensor([len(it.drafts) for it in sampling], device=self.device)
-        num_accepted, next_tokens = kernels.rejection_sample(target_probs, draft_tokens, draft_probs,
-                                                             num_drafts, uniform, noise)
-        return num_accepted.tolist(), next_tokens.tolist()
 
     # -- commit -----------------------------------------------------------------------------
     def commit(self, it: ScheduledSeq, num_accepted: int, token: int, hidden_row: torch.Tensor,

@@ -180,12 +180,12 @@ def parse_args(argv=None):
     p.add_argument("--model", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder (config.json + model.safetensors)")
     p.add_argument("--prompts", nargs="+", default=["chat"],
-                   help="JSONL files and/or built-in workloads: 'chat' (general requests), 'stdlib' (code); "
+                   help="JSONL files and/or the built-in workload 'chat' (general requests); "
                         "never 'grounded' or MT-bench, which bench.py holds apart for evaluation")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--texts", nargs="*", default=[],
                    help="JSONL files and/or built-in workloads read without generating (labels: the target's "
-                        "own next-token argmax); 'docs' = standard-library docstrings")
+                        "own next-token argmax)")
     p.add_argument("--max-texts", type=int, default=0, help="use only the first N texts (0: all)")
     p.add_argument("--n-predict", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=4096,

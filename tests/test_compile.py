@@ -44,7 +44,7 @@ def test_every_kernel_compiles_and_fits(compiled, target):
     rows = rows_of(compiled, target)
     names = {n.strip("_").removesuffix("_kernel") for n in dir(kernels) if n.endswith("_kernel")}
     assert names == {r["kernel"] for r in rows}, "a Triton kernel that compile_cases() never launches"
-    for name in names - {"rejection_sample"}:  # the sampler gets fp32 probabilities whatever the model dtype
+    for name in names:
         assert {r["dtype"] for r in rows_of(compiled, target, name)} == DTYPES, name
     too_big = [r for r in rows if r["shared"] > bench.COMPILE_TARGETS[target][1]]
     assert not too_big, f"shared memory over the {target} limit: {too_big}"
@@ -62,5 +62,3 @@ def test_the_wrappers_specializations_are_covered(compiled):
         assert {c["NUM_SEGMENTS"] > 1 for c in attention} == {False, True}  # split and unsplit KV
         norms = [r["constexprs"] for r in rows_of(compiled, "sm_90", "rms_norm") if r["dtype"] == dtype]
         assert {c["HAS_RESIDUAL"] for c in norms} == {False, True}
-    samplers = rows_of(compiled, "sm_90", "rejection_sample")
-    assert {r["constexprs"]["ONE_HOT"] for r in samplers} == {True, False}

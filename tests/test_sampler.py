@@ -7,13 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import torch_rejection_sample
-from nanospec import SamplingParams, Sequence, accept_coupled, logits_to_probs
+from nanospec import SamplingParams, Sequence, accept_coupled, logits_to_probs, rejection_sample
 
 V, LENGTH = 5, 3  # vocabulary, and how many tokens each simulated generation keeps
 
 
-def simulate(target, draft, k, num_chains, one_hot_draft, seed, sampler=torch_rejection_sample):
+def simulate(target, draft, k, num_chains, one_hot_draft, seed, sampler=rejection_sample):
     """Run num_chains generations of LENGTH tokens in a synthetic world where the target's next-token
     distribution at position i is target[i] and the draft's is draft[i] (or the fixed token
     draft[i].argmax() for one-hot drafts). Steps repeat: draft k tokens, verify, accept, commit."""
@@ -102,11 +101,11 @@ def test_broken_residual_or_bonus_is_detected():
     exact, n = joint_exact(target), 40_000
 
     def broken_residual(p, d, q, nd, u, e):
-        num_accepted, _ = torch_rejection_sample(p, d, q, nd, u, e)
+        num_accepted, _ = rejection_sample(p, d, q, nd, u, e)
         return num_accepted, (p[torch.arange(len(p)), num_accepted] / e).argmax(-1)
 
     def broken_bonus(p, d, q, nd, u, e):
-        return torch_rejection_sample(torch.cat([p[:, :-1], p[:, -2:-1]], 1), d, q, nd, u, e)
+        return rejection_sample(torch.cat([p[:, :-1], p[:, -2:-1]], 1), d, q, nd, u, e)
 
     for broken in (broken_residual, broken_bonus):
         freq = joint_histogram(simulate(target, draft, 2, n, False, 0, sampler=broken))
@@ -118,7 +117,7 @@ def test_greedy_reduces_to_argmax_matching():
     p = torch.tensor([[[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]]])
     greedy = torch.nn.functional.one_hot(p.argmax(-1), 3).float()
     for drafts, expected in (([1, 0], (2, 2)), ([1, 2], (1, 0)), ([0, 0], (0, 1))):
-        n, tok = torch_rejection_sample(greedy, torch.tensor([drafts]), None, torch.tensor([2]),
+        n, tok = rejection_sample(greedy, torch.tensor([drafts]), None, torch.tensor([2]),
                                         torch.rand(1, 2), torch.ones(1, 3))
         assert (n.item(), tok.item()) == expected
     # The engine's greedy shortcut gives the same answers, for a batch whose rows have different K.

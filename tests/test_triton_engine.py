@@ -1,6 +1,6 @@
 # End to end through the Triton kernels (run by the interpreter on CPU): tiny Llama and OPT models
 # generate exactly the same greedy tokens as on the torch path, with speculation so that verify-shaped
-# multi-token steps, the rejection-sampling kernel and block-crossing lookahead all run in Triton.
+# multi-token steps and block-crossing lookahead run in Triton.
 import pytest
 
 import kernels
