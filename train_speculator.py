@@ -64,7 +64,7 @@ def new_speculator(target_path: str, n_predict: int) -> tuple[MLPSpeculator, dic
     lm_head. The embedding stays frozen. The head is fine-tuned (slowly, HEAD_LR_SCALE): it reads
     GELU outputs, which are never below -0.17, where the target's lm_head reads signed hidden states
     (frozen, the chat recipe's losses per head were 3.75 4.26 4.66; fine-tuned, 2.69 3.02 3.27)."""
-    target, _ = load_model(target_path, torch.float32, pack=False)  # readable weights: the engine's are packed
+    target, _ = load_model(target_path, torch.float32, pack=False)  # readable weights, not C-packed ones
     config = dict(model_type="mlp_speculator", architectures=["MLPSpeculatorPreTrainedModel"],
                   emb_dim=target.hidden_size, inner_dim=0, n_predict=n_predict, vocab_size=target.vocab_size,
                   tie_weights=True, scale_input=True, torch_dtype="float32")
@@ -72,7 +72,7 @@ def new_speculator(target_path: str, n_predict: int) -> tuple[MLPSpeculator, dic
     embed, head = target.embedding_weight(), target.lm_head.weight
     with torch.no_grad():
         for i in range(n_predict):
-            spec.emb[i].weight = spec.emb[0].weight  # tie in memory: one emb, one head, one ln, proj 1..n shared
+            spec.emb[i].weight = spec.emb[0].weight  # tied: one emb, head and ln; proj 1..n shared
             spec.head[i].weight = spec.head[0].weight
             spec.ln[i] = spec.ln[0]
             if i > 1:
@@ -98,7 +98,8 @@ def save(spec: MLPSpeculator, config: dict, out: str, optimizer, step: int, full
     if spec.vocab_ids is not None:  # the checkpoint keeps the full layout: trained rows among the target's
         state["head.0.weight"] = full_head.index_copy(0, spec.vocab_ids, state["head.0.weight"])
         save_file({"token_ids": spec.vocab_ids}, os.path.join(out, VOCAB_FILE))
-    save_file({f"speculator.{n}": state[n].contiguous() for n in names}, os.path.join(out, "model.safetensors"))
+    weights = {f"speculator.{n}": state[n].contiguous() for n in names}
+    save_file(weights, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     moments = {f"{name}.{key}": value for name, p in spec.named_parameters() if p in optimizer.state
@@ -111,7 +112,8 @@ def save(spec: MLPSpeculator, config: dict, out: str, optimizer, step: int, full
 def resume(spec: MLPSpeculator, out: str, optimizer) -> int:
     if not os.path.exists(os.path.join(out, "train_state.json")):
         return 0
-    weights = {k.removeprefix("speculator."): v for k, v in load_file(os.path.join(out, "model.safetensors")).items()}
+    saved = load_file(os.path.join(out, "model.safetensors"))
+    weights = {k.removeprefix("speculator."): v for k, v in saved.items()}
     if spec.vocab_ids is not None:
         weights["head.0.weight"] = weights["head.0.weight"][spec.vocab_ids]
     spec.load_state_dict({n: weights[n] for n in weights}, strict=False)
@@ -140,7 +142,8 @@ def train(args):
     if os.path.exists(data_file):  # resumable: the collected data is reused
         data = load_file(data_file)
     else:
-        data = collect(llm, read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None], args.max_tokens)
+        prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
+        data = collect(llm, prompts, args.max_tokens)
         if args.texts:  # read-only texts follow the generated ones, as further sequences
             read = collect(llm, read_prompts(args.texts, llm.tokenizer)[:args.max_texts or None], 0)
             read["doc"] = read["doc"] + int(data["doc"][-1]) + 1
@@ -149,7 +152,7 @@ def train(args):
         save_file(data, data_file)
     # Every position whose next token is in the same sequence is a training example.
     positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()
-    full_head = spec.head[0].weight.detach()  # a reduced head trains a copy of its rows; save() writes them back here
+    full_head = spec.head[0].weight.detach()  # a reduced head trains a copy of rows; save() puts them back
     if 0 < args.draft_vocab < spec.vocab_size:
         spec.restrict_vocab(frequent_tokens(data["greedy"], args.draft_vocab, spec.vocab_size))
     head = spec.head[0].weight
@@ -169,7 +172,8 @@ def train(args):
             sum(losses).backward()
             optimizer.step()
             step += 1
-            progress.update(task, advance=1, description="loss " + " ".join(f"{l.item():.2f}" for l in losses))
+            description = "loss " + " ".join(f"{l.item():.2f}" for l in losses)
+            progress.update(task, advance=1, description=description)
             if step % args.save_every == 0 or step == args.steps:
                 save(spec, config, args.out, optimizer, step, full_head)
     return [l.item() for l in losses]
@@ -197,7 +201,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--dtype", default="bfloat16",
-                   help="dtype of the target while collecting data (bfloat16 also autocasts the training matmuls)")
+                   help="the target's dtype while collecting data (bfloat16 also autocasts training matmuls)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

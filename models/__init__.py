@@ -166,8 +166,8 @@ def load_tokenizer(path: str) -> Tokenizer | None:
 
 
 def eos_token_ids(config: dict, tokenizer: Tokenizer | None) -> set[int]:
-    ids = set()
-    for source in (config.get("eos_token_id"), tokenizer and tokenizer.token_id(tokenizer.config.get("eos_token"))):
+    ids, eos_token = set(), tokenizer and tokenizer.token_id(tokenizer.config.get("eos_token"))
+    for source in (config.get("eos_token_id"), eos_token):
         if source is not None:
             ids.update(source if isinstance(source, list) else [source])
     return ids

@@ -83,7 +83,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         # float32, not bfloat16: it holds ggml's dequantized values exactly (Q4_1's d*q+m needs more
         # than bf16's 8 mantissa bits), so fp32 runs are bit-faithful to the GGUF and exactness tests
         # compare like with like; bf16 runs cast once at load. Costs ~540 MB of disk instead of ~270.
-        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: gguf arrays are read-only mmaps
+        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: gguf arrays are read-only
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
     tokens = meta["tokenizer.ggml.tokens"]

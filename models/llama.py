@@ -14,19 +14,19 @@ def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
     # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return inv_freq
     if rope_type != "llama3":
         raise ValueError(f"config.json: unsupported rope scaling type {rope_type!r}")
     factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
-    low_wavelen = old_len / rope["low_freq_factor"]
-    high_wavelen = old_len / rope["high_freq_factor"]
+    low_wavelen, high_wavelen = old_len / rope["low_freq_factor"], old_len / rope["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
     # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
@@ -137,13 +137,16 @@ class LlamaForCausalLM(nn.Module):
         self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"} \
             if config.get("tie_word_embeddings", False) else {}
         attn = self.model.layers[0].self_attn
-        self.num_layers, self.num_kv_heads, self.head_dim = len(self.model.layers), attn.num_kv_heads, attn.head_dim
+        self.num_layers, self.num_kv_heads, self.head_dim = len(self.model.layers), attn.num_kv_heads, \
+            attn.head_dim
         self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
         self.max_position_embeddings = config.get("max_position_embeddings", 4096)
-        if config.get("sliding_window") and (arch == "MistralForCausalLM" or config.get("use_sliding_window")):
+        uses_window = arch == "MistralForCausalLM" or config.get("use_sliding_window")
+        window = config.get("sliding_window") if uses_window else None
+        if window:
             # Sliding-window attention is not implemented; within the window it equals full attention,
             # so the context is capped there rather than silently computing something else.
-            self.max_position_embeddings = min(self.max_position_embeddings, config["sliding_window"])
+            self.max_position_embeddings = min(self.max_position_embeddings, window)
         # rope_cache builds on the CPU explicitly: models are constructed on the meta device.
         self.register_buffer("cos_sin_cache", rope_cache(config, self.head_dim, self.max_position_embeddings),
                              persistent=False)

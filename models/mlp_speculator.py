@@ -34,13 +34,14 @@ class SpeculatorNorm(nn.Module):
 class MLPSpeculator(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
-        self.emb_dim, self.vocab_size, self.n_predict = config["emb_dim"], config["vocab_size"], config["n_predict"]
+        self.emb_dim, self.vocab_size = config["emb_dim"], config["vocab_size"]
+        self.n_predict = config["n_predict"]
         self.inner_dim = config.get("inner_dim") or self.emb_dim
         self.scale_input = config.get("scale_input", False)
         self.tie_weights = config.get("tie_weights", False)
         n, inner = self.n_predict, self.inner_dim
         self.emb = nn.ModuleList(nn.Embedding(self.vocab_size, inner) for _ in range(n))
-        self.proj = nn.ModuleList(nn.Linear(self.emb_dim if i == 0 else inner, inner, bias=False) for i in range(n))
+        self.proj = nn.ModuleList(nn.Linear(inner if i else self.emb_dim, inner, False) for i in range(n))
         self.head = nn.ModuleList(nn.Linear(inner, self.vocab_size, bias=False) for _ in range(n))
         self.ln = nn.ModuleList(SpeculatorNorm(inner) for _ in range(n))
         self.ln0 = SpeculatorNorm(self.emb_dim, affine=False)
@@ -90,7 +91,7 @@ def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
         raise FileNotFoundError(f"{config_file} not found (expected an MLP speculator folder)")
     config = json.load(open(config_file))
     if config.get("model_type") != "mlp_speculator":
-        raise ValueError(f"{config_file}: model_type is {config.get('model_type')!r}, expected 'mlp_speculator'")
+        raise ValueError(f"{config_file}: model_type {config.get('model_type')!r} is not 'mlp_speculator'")
     with torch.device("meta"):
         model = MLPSpeculator(config)
     dtype = resolve_dtype(dtype, config, device)

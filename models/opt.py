@@ -21,7 +21,8 @@ class OPTAttention(nn.Module):
 
     def forward(self, x):
         q, k, v = (t.reshape(-1, self.num_heads, self.head_dim) for t in self.qkv_proj(x).chunk(3, dim=-1))
-        out = attention(q.contiguous(), k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, self.scale)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.out_proj(out.reshape(x.shape))
 
 
@@ -57,9 +58,10 @@ class OPTDecoder(nn.Module):
         self.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
         self.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
         # OPT-350m style (post-norm) checkpoints have no final norm.
-        has_final_norm = config.get("do_layer_norm_before", True) and not config.get("_remove_final_layer_norm", False)
-        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=config.get("layer_norm_elementwise_affine", True)) \
-            if has_final_norm else None
+        pre_norm = config.get("do_layer_norm_before", True)
+        has_final_norm = pre_norm and not config.get("_remove_final_layer_norm", False)
+        affine = config.get("layer_norm_elementwise_affine", True)
+        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_final_norm else None
         self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config["num_hidden_layers"]))
 
 
@@ -69,11 +71,12 @@ class OPTForCausalLM(nn.Module):
     def __init__(self, config: dict, arch: str = "OPTForCausalLM"):
         super().__init__()
         if config.get("activation_function", "relu") != "relu":
-            raise ValueError(f"config.json: OPT activation {config['activation_function']!r} is not supported")
+            raise ValueError(f"config.json: OPT activation {config['activation_function']!r} is unsupported")
         self.model = nn.Module()
         self.model.decoder = OPTDecoder(config)
         attn = self.model.decoder.layers[0].self_attn
-        self.num_layers, self.num_kv_heads, self.head_dim = config["num_hidden_layers"], attn.num_heads, attn.head_dim
+        self.num_layers, self.num_kv_heads = config["num_hidden_layers"], attn.num_heads
+        self.head_dim = attn.head_dim
         self.hidden_size = config.get("word_embed_proj_dim") or config["hidden_size"]
         self.vocab_size = config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
