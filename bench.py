@@ -344,7 +344,7 @@ COMPILE_TARGETS = {"sm_80": (("cuda", 80, 32), 163 << 10), "sm_90": (("cuda", 90
 def compile_cases():
     """The launches the Triton wrappers make (recorded on meta tensors) for fp32/fp16/bf16, head_dim 64 and
     128, GQA groups 1, 3, 8, block sizes 1 and 16, split KV (contexts over KV_SEGMENT) and
-    unsplit, one-hot and probability drafts (probabilities are fp32 in the engine)."""
+    unsplit, linears with and without bias, one-hot and probability drafts (fp32 in the engine)."""
     import kernels
     kernels.meta_launches.clear()
     meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")
@@ -361,6 +361,8 @@ def compile_cases():
         for hidden, residual in ((576, None), (8192, meta(4, 8192, dtype=dtype))):
             kernels.triton_rms_norm(meta(4, hidden, dtype=dtype), meta(hidden, dtype=dtype), 1e-6, residual)
             kernels.triton_silu_mul(meta(4, 2 * hidden, dtype=dtype))
+        for n, k, bias in ((1536, 576, None), (576, 1536, meta(576, dtype=dtype)), (49152, 576, None)):
+            kernels.triton_linear(meta(4, k, dtype=dtype), meta(n, k, dtype=dtype), bias)  # SmolLM2, lm_head
     for draft_probs in (None, meta(8, 4, 151936)):
         kernels.triton_rejection_sample(meta(8, 5, 151936), longs(8, 4), draft_probs, longs(8), meta(8, 4),
                                         meta(8, 151936))
