@@ -570,16 +570,13 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_w
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-LINEAR_TILES = {torch.float32: (32, 64, 32)}  # (BLOCK_M, N, K); fp32 tiles take twice the shared memory
-
-
 def triton_linear(x, weight, bias=None):
     """y = x W^T + b, row-invariant: tiles fixed per dtype (never chosen by M) and no split-K, so an
     output is the same fp32 dot over K in BLOCK_K steps whatever the row count; output in x's dtype.
     Tiles of 32-64 rows waste MMA work at decode's few rows, but decode is bound by reading weights."""
     x2, n = _as_rows(x), weight.shape[0]
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = LINEAR_TILES.get(x.dtype, (64, 64, 64))
+    block_m, block_n, block_k = (32, 64, 32) if x.dtype == torch.float32 else (64, 64, 64)  # fp32: 2x bytes
     if x2.shape[0] > 0:
         _launch(_linear_kernel, (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)), (
             x2, weight, weight if bias is None else bias, out, x2.shape[0], n, x2.shape[1], x2.stride(0),
