@@ -236,7 +236,8 @@ COMPILE_TARGETS = {"sm_80": (("cuda", 80, 32), 163 << 10), "sm_90": (("cuda", 90
 
 def compile_cases():
     """The launches the Triton wrappers make (recorded on meta tensors) for fp32/fp16/bf16, head_dim 64 and
-    128, GQA groups 1, 3, 8, block sizes 1 and 16, split KV (contexts over KV_SEGMENT) and unsplit."""
+    128, GQA groups 1, 3, 8, block sizes 1 and 16, split KV (contexts over KV_SEGMENT) and unsplit,
+    linears with and without bias."""
     import kernels
     kernels.meta_launches.clear()
     meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")
@@ -253,6 +254,8 @@ def compile_cases():
         for hidden, residual in ((576, None), (8192, meta(4, 8192, dtype=dtype))):
             kernels.triton_rms_norm(meta(4, hidden, dtype=dtype), meta(hidden, dtype=dtype), 1e-6, residual)
             kernels.triton_silu_mul(meta(4, 2 * hidden, dtype=dtype))
+        for n, k, bias in ((1536, 576, None), (576, 1536, meta(576, dtype=dtype)), (49152, 576, None)):
+            kernels.triton_linear(meta(4, k, dtype=dtype), meta(n, k, dtype=dtype), bias)  # SmolLM2, lm_head
     return list(kernels.meta_launches)
 
 

@@ -189,9 +189,7 @@ def linear(x, layer: "Linear"):
     """y = x W^T + b, row-invariant. The C kernel reads the weight as packed panels (Linear.packed)."""
     if layer.packed is not None:  # packed at load time, where pick() chose the C kernels
         return c_linear(x, layer.packed, layer.bias, layer.out_features)
-    if use_triton(x):  # cuBLAS: not yet row-invariant on GPUs (a fixed-tile Triton matmul is planned)
-        return F.linear(x, layer.weight, layer.bias)
-    return torch_linear(x, layer.weight, layer.bias)
+    return pick(x, triton_linear, None, torch_linear)(x, layer.weight, layer.bias)  # not cuBLAS: picks by M
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,7 +357,7 @@ try:
     HAS_TRITON = True
 except ImportError:  # torch-only install: the definitions below still load, every triton_* op raises
     from types import SimpleNamespace
-    triton, tl = SimpleNamespace(jit=lambda fn: fn), SimpleNamespace(constexpr=None)
+    triton, tl = SimpleNamespace(jit=lambda f=None, **_: f or (lambda g: g)), SimpleNamespace(constexpr=None)
     HAS_TRITON = False
 
 
@@ -532,6 +530,40 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     return out
 
 
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count, M = 1 included
+def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # a [BLOCK_K, BLOCK_N] tile of W^T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):  # one fp32 accumulator over K, in order: no split-K
+        x = tl.load(x_ptrs + k, mask=(rows[:, None] < M) & (k + ks[None, :] < K), other=0.0)
+        w = tl.load(w_ptrs + k, mask=(cols[None, :] < N) & (k + ks[:, None] < K), other=0.0)
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+    if HAS_BIAS:  # after the reduction, as F.linear adds it
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def triton_linear(x, weight, bias=None):
+    """y = x W^T + b, row-invariant: tiles fixed per dtype (never chosen by M) and no split-K, so an
+    output is the same fp32 dot over K in BLOCK_K steps whatever the row count; output in x's dtype.
+    Tiles of 32-64 rows waste MMA work at decode's few rows, but decode is bound by reading weights."""
+    x2, n = _as_rows(x), weight.shape[0]
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = (32, 64, 32) if x.dtype == torch.float32 else (64, 64, 64)  # fp32: 2x bytes
+    if x2.shape[0] > 0:
+        _launch(_linear_kernel, (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)), (
+            x2, weight, weight if bias is None else bias, out, x2.shape[0], n, x2.shape[1], x2.stride(0),
+            weight.stride(0)), 4, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k)
+    return out.view(*x.shape[:-1], n)
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_r,
                      hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -628,4 +660,5 @@ if not HAS_TRITON:
     def _triton_missing(*args, **kwargs):
         raise RuntimeError("Triton is not installed (pip install triton); the torch_* ops still work")
 
-    triton_store_kv = triton_paged_attention = triton_rms_norm = triton_rotary = triton_silu_mul = _triton_missing
+    triton_store_kv = triton_linear = triton_paged_attention = triton_rms_norm = triton_rotary = \
+        triton_silu_mul = _triton_missing

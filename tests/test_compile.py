@@ -62,3 +62,6 @@ def test_the_wrappers_specializations_are_covered(compiled):
         assert {c["NUM_SEGMENTS"] > 1 for c in attention} == {False, True}  # split and unsplit KV
         norms = [r["constexprs"] for r in rows_of(compiled, "sm_90", "rms_norm") if r["dtype"] == dtype]
         assert {c["HAS_RESIDUAL"] for c in norms} == {False, True}
+        linears = [r["constexprs"] for r in rows_of(compiled, "sm_90", "linear") if r["dtype"] == dtype]
+        assert {c["HAS_BIAS"] for c in linears} == {False, True}
+        assert len({(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) for c in linears}) == 1  # one tile per dtype

@@ -50,6 +50,20 @@ def test_torch_linear_rows_are_invariant(dtype):
                           counts=[1, 2, 5, 9, 33])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_linear_rows_are_invariant(dtype):
+    """Bitwise in the interpreter too: its tl.dot is numpy's BLAS on the whole fixed-shape tile, which
+    catches a K order that changes with M (BLOCK_K or a split chosen by M). It misses a BLOCK_M chosen by
+    M (numpy's rows do not depend on the tile's height; MMA instructions may), so the launches the
+    wrapper makes for every M are also checked to be one and the same."""
+    weight, bias = (0.05 * torch.randn(160, 576)).to(dtype), torch.randn(160).to(dtype)
+    assert_rows_invariant(lambda x: kernels.triton_linear(x, weight, bias), torch.randn(300, 576).to(dtype))
+    kernels.meta_launches.clear()
+    for m in ROW_COUNTS:
+        kernels.triton_linear(torch.empty(m, 576, dtype=dtype, device="meta"), weight.to("meta"))
+    assert all(options == kernels.meta_launches[0][2] for _, _, options in kernels.meta_launches)
+
+
 def test_plain_f_linear_is_not_row_invariant():
     """Why the linears need their own kernels: BLAS changes its summation order with the row count.
     (If this ever fails, torch became row-invariant and the test can go; the others still hold.)"""

@@ -138,6 +138,23 @@ def test_paged_attention_empty_batch():
 
 
 # --------------------------------------------------------------------------------------------
+# linear: fixed tiles (fp32 32x64x32, else 64x64x64); the shapes end mid-tile in every dimension
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lead,n,k", [((1,), 16, 16), ((5,), 37, 20), ((70,), 80, 72), ((2, 35), 131, 100),
+                                      ((0,), 16, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(lead, n, k, bias, dtype):
+    x = randn(*lead, k + 3, dtype=dtype)[..., :k]  # rows with a stride, as a view of a wider output
+    weight, b = (0.1 * randn(n, k)).to(dtype), randn(n).to(dtype) if bias else None
+    with nan_filled_outputs():
+        got = kernels.triton_linear(x, weight, b)
+    assert got.dtype == dtype and got.shape == (*lead, n)
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+
+
+# --------------------------------------------------------------------------------------------
 # rms_norm, rotary, silu_mul
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,5 +1,6 @@
-# The rejection sampler is lossless: emitted tokens follow the target distribution exactly, for
-# stochastic and one-hot drafts, at the first position, at recovered positions and at the bonus.
+# Both samplers are lossless: emitted tokens follow the target distribution exactly, for stochastic and
+# one-hot drafts, at the first position, at recovered positions and at the bonus. The rejection sampler
+# (unseeded requests) and the coupled acceptance (seeded: accept_coupled, drafts from append_drafts).
 # Each test can fail: it compares sampled frequencies with the exact distribution (chi-square and
 # total variation against random reference distributions).
 from types import SimpleNamespace
@@ -7,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanospec import SamplingParams, Sequence, accept_coupled, logits_to_probs, rejection_sample
+import nanospec
+from nanospec import (LLMEngine, SamplingParams, ScheduledSeq, Sequence, accept_coupled, logits_to_probs,
+                      rejection_sample)
 
 V, LENGTH = 5, 3  # vocabulary, and how many tokens each simulated generation keeps
 
@@ -113,6 +116,75 @@ def test_broken_residual_or_bonus_is_detected():
         assert chi2 > dof + 6 * (2 * dof) ** 0.5
 
 
+def simulate_coupled(target, draft, k, num_chains, one_hot_draft, seed, accept=accept_coupled):
+    """The same synthetic world through the engine's seeded path: chain c is a Sequence seeded
+    seed * num_chains + c; its drafts are the fixed tokens draft[i].argmax() (one-hot) or are sampled
+    from draft[i] by append_drafts with the noise of the position they are for; accept_coupled checks
+    them against logits log(target[i]). Returns the LENGTH tokens of each chain and (drafted, accepted)."""
+    pad = LENGTH + k + 1
+    target = torch.cat([target, target[-1:].expand(pad - len(target), V)]).log()
+    draft = torch.cat([draft, draft[-1:].expand(pad - len(draft), V)])
+    out, counts = [], torch.zeros(2, dtype=torch.long)
+    for chain in range(num_chains):
+        seq = Sequence([0], SamplingParams(temperature=1.0, seed=seed * num_chains + chain), "cpu")
+        while len(seq.output_ids) < LENGTH:
+            pos = len(seq.output_ids)
+            item = ScheduledSeq(seq, num_tokens=1, num_spec=k, samples=True)
+            if one_hot_draft:
+                item.drafts = draft[pos:pos + k].argmax(-1).tolist()
+            for i in range(0 if one_hot_draft else k):
+                LLMEngine.append_drafts(None, [item], draft[pos + i].log()[None])
+            [n], [token] = accept([item], target[pos:pos + k + 1])
+            seq.token_ids += item.drafts[:n] + [token]
+            counts += torch.tensor([k, n])
+        out.append(seq.output_ids[:LENGTH])
+    return torch.tensor(out), counts.tolist()
+
+
+def assert_follows_the_target(samples, target, g, context):
+    """Chi-square of the joint histogram of the LENGTH positions against the exact product distribution,
+    and closer to it (total variation) than to random look-alike targets."""
+    exact, freq, n = joint_exact(target), joint_histogram(samples), len(samples)
+    chi2, dof = chi_square(freq, exact, n)
+    assert chi2 < dof + 6 * (2 * dof) ** 0.5, f"{context}: chi2 {chi2:.1f} with {dof} dof"
+    tv = 0.5 * (freq - exact).abs().sum().item()
+    for _ in range(5):
+        assert tv < 0.5 * (freq - joint_exact(random_dists(g, LENGTH, 1.5))).abs().sum().item(), context
+
+
+@pytest.mark.parametrize("one_hot_draft", [False, True])
+@pytest.mark.parametrize("k", [1, 3])
+def test_coupled_tokens_follow_the_target(k, one_hot_draft):
+    seed = torch.randint(10**6, ()).item()
+    g = torch.Generator().manual_seed(seed)
+    target, draft = random_dists(g, LENGTH, 1.5), random_dists(g, LENGTH, 1.5)
+    samples, (drafted, accepted) = simulate_coupled(target, draft, k, 20_000, one_hot_draft, seed)
+    assert 0 < accepted < drafted  # accepted drafts, recovered tokens and bonus tokens all occurred
+    assert_follows_the_target(samples, target, g, f"seed {seed}")
+
+
+def test_broken_coupling_is_detected(monkeypatch):
+    """The same statistic catches a coupling gone wrong: one noise for every position (tokens then
+    correlate across positions), and emitting the rejected draft instead of the target's token."""
+    g = torch.Generator().manual_seed(5)
+    target, draft = random_dists(g, LENGTH, 2.0), random_dists(g, LENGTH, 2.0)
+    exact, n = joint_exact(target), 20_000
+
+    def draft_on_rejection(items, logits):
+        num_accepted, tokens = accept_coupled(items, logits)
+        return num_accepted, [it.drafts[a] if a < len(it.drafts) else t
+                              for it, a, t in zip(items, num_accepted, tokens)]
+
+    broken = simulate_coupled(target, draft, 2, n, False, 0, accept=draft_on_rejection)[0]
+    with monkeypatch.context() as patch:
+        noise = nanospec.position_noise
+        patch.setattr(nanospec, "position_noise", lambda seq, _, vocab, device: noise(seq, 0, vocab, device))
+        shared_noise = simulate_coupled(target, draft, 2, n, True, 0)[0]
+    for samples in (broken, shared_noise):
+        chi2, dof = chi_square(joint_histogram(samples), exact, n)
+        assert chi2 > dof + 6 * (2 * dof) ** 0.5
+
+
 def test_greedy_reduces_to_argmax_matching():
     p = torch.tensor([[[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]]])
     greedy = torch.nn.functional.one_hot(p.argmax(-1), 3).float()
@@ -142,10 +214,12 @@ def test_top_k_top_p_and_temperature_masks():
     assert torch.allclose(hot[0], torch.softmax(logits[0] / 0.5, -1))
 
 
-def test_engine_sampling_with_speculation_matches_the_target(tmp_path):
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded-coupled", "unseeded-rejection"])
+def test_engine_sampling_with_speculation_matches_the_target(tmp_path, seeded):
     """End to end at temperature 1: the first two tokens generated with a draft model (the second one
     comes from a speculative step: accepted draft or recovered token) follow the target's exact joint
-    distribution, computed with transformers; and the same seeds give the same tokens again."""
+    distribution, computed with transformers, through the coupled acceptance (seeded requests) and the
+    rejection sampler (unseeded); and the same seeds give the same tokens again."""
     import tiny
     from nanospec import LLM
     hf = tiny.write_checkpoint(tmp_path / "target", tiny.llama_like())
@@ -157,7 +231,8 @@ def test_engine_sampling_with_speculation_matches_the_target(tmp_path):
     exact = (p1[:, None] * p2).flatten()
     llm = LLM(str(tmp_path / "target"), dtype="float32", block_size=4, num_blocks=1024, max_num_seqs=256,
               draft=str(tmp_path / "draft"), num_spec_tokens=2)
-    params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=i) for i in range(n)]
+    params = [SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=i if seeded else None)
+              for i in range(n)]
     outs = llm.generate([prompt] * n, params, use_progress=False)
     drafted, accepted = sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)
     assert 0 < accepted < drafted  # both accepted drafts and recovered tokens occurred
@@ -170,5 +245,6 @@ def test_engine_sampling_with_speculation_matches_the_target(tmp_path):
         pooled_f, pooled_e = torch.cat([f[~small], f[small].sum()[None]]), torch.cat([e[~small], e[small].sum()[None]])
         chi2, dof = chi_square(pooled_f, pooled_e, n)
         assert chi2 < dof + 6 * (2 * dof) ** 0.5, f"chi2 {chi2:.1f} with {dof} dof"
-    again = llm.generate([prompt] * 50, params[:50], use_progress=False)
-    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:50]]
+    if seeded:
+        again = llm.generate([prompt] * 50, params[:50], use_progress=False)
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs[:50]]

@@ -26,8 +26,10 @@ def test_triton_path_generates_the_same_tokens(config, tmp_path, monkeypatch):
 
     expected = generate()
     monkeypatch.setattr(kernels, "FORCE_TRITON", True)
-    calls = []
-    monkeypatch.setattr(kernels, "triton_paged_attention",
-                        lambda *a, _f=kernels.triton_paged_attention: calls.append(a[0].shape[0]) or _f(*a))
+    calls = {"paged_attention": [], "linear": []}  # the rows of each call
+    for op, rows in calls.items():
+        counted = lambda *a, _f=getattr(kernels, f"triton_{op}"), _n=rows: _n.append(len(a[0])) or _f(*a)
+        monkeypatch.setattr(kernels, f"triton_{op}", counted)
     assert generate() == expected
-    assert max(calls) >= 3, "no multi-token (verify-shaped) attention call went through Triton"
+    assert max(calls["paged_attention"]) >= 3, "no verify-shaped attention call went through Triton"
+    assert max(calls["linear"]) >= 3, "no verify-shaped linear went through Triton"
