@@ -1,9 +1,10 @@
-# nanospec: the engine. SamplingParams and Sequence state, the proposers (n-gram, draft model, MLP
+# nanospec: the engine. SamplingParams and Sequence state, the proposers (n-gram, suffix, draft model, MLP
 # speculator), the scheduler (continuous batching, lookahead slots, preemption, dynamic speculation),
 # the lossless accept/commit step, the LLM API and the CLI. Every step is schedule -> propose ->
 # verify -> accept -> commit; plain decoding is the same step with K = 0. It must never emit a token
 # the target model would not have produced with the same sampling (greedy: exactly the same tokens).
 import argparse
+import heapq
 import itertools
 import json
 import math
@@ -251,6 +252,84 @@ class NgramProposer:
         return []
 
 
+def suffix_matches(hay: np.ndarray, context: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
+    """(m, ends): the longest m <= max_len for which context's last m tokens occur in hay with a token
+    after them, and where each occurrence ends. Vectorized: each longer match filters the shorter's hits."""
+    ends = np.flatnonzero(hay[:-1] == context[-1])
+    m = int(len(ends) > 0)
+    while len(ends) and m < min(max_len, len(context)):
+        ends_in = ends[ends >= m]
+        longer = ends_in[hay[ends_in - m] == context[-m - 1]]
+        if not len(longer):
+            break
+        ends, m = longer, m + 1
+    return m, ends
+
+
+def continuations(hay: np.ndarray, ends: np.ndarray, depth: int) -> np.ndarray:
+    """[len(ends), depth]: the tokens after each occurrence; -1 past the end or a request separator."""
+    at = ends[:, None] + 1 + np.arange(depth)
+    rows = np.where(at < len(hay), hay[np.minimum(at, len(hay) - 1)], -1)
+    rows[np.maximum.accumulate(rows < 0, axis=1)] = -1
+    return rows
+
+
+def draft_tree(rows: np.ndarray, budget: int, branches: int, min_prob: float) -> tuple[list[int], list[int]]:
+    """Grow a token tree (tokens, parent index per node, -1 = root) of <= budget nodes from continuation
+    rows [n, depth], best first by path probability: the share of rows that follow the path, each step
+    counted among the rows that followed its parent (rows that end there included). A node tries its
+    `branches` most frequent next tokens (ties: the earliest row); branches = 1 grows a chain."""
+    tokens, parents, frontier, serial = [], [], [], itertools.count()
+
+    def push_children(node: int, depth: int, members: np.ndarray, prob: float):
+        if depth == rows.shape[1]:
+            return
+        column = rows[members, depth]
+        values, first, counts = np.unique(column, return_index=True, return_counts=True)
+        best = [i for i in np.lexsort((first, -counts)) if values[i] >= 0][:branches]
+        for i in best:
+            p = prob * counts[i] / len(members)
+            if p >= min_prob:
+                follow = members[column == values[i]]
+                heapq.heappush(frontier, (-p, next(serial), node, depth, int(values[i]), follow))
+
+    push_children(-1, 0, np.arange(len(rows)), 1.0)
+    while frontier and len(tokens) < budget:
+        neg_prob, _, parent, depth, token, members = heapq.heappop(frontier)
+        tokens.append(token)
+        parents.append(parent)
+        push_children(len(tokens) - 1, depth + 1, members, -neg_prob)
+    return tokens, parents
+
+
+class SuffixProposer:
+    """SuffixDecoding (arXiv 2411.04975): match the longest suffix (<= max_match tokens) of the context in
+    this request's prompt + output and in those of the last max_requests finished requests (kept across
+    generate() calls); the continuations that followed the matches form a frequency-weighted trie, and its
+    most probable path is proposed while the path probability stays >= min_prob, at most max_spec_factor x
+    the match length. A plain numpy scan per step, no index: O(remembered tokens), no upkeep."""
+
+    def __init__(self, max_requests=256, max_match=24, max_spec_factor=1.0, min_prob=0.1):
+        self.finished = deque(maxlen=max_requests)  # the oldest request drops out first
+        self.corpus = np.zeros(0, dtype=np.int64)    # the finished requests, each followed by -1
+        self.max_match, self.max_spec_factor, self.min_prob = max_match, max_spec_factor, min_prob
+
+    def remember(self, token_ids: list[int]):
+        self.finished.append(np.append(token_ids, -1))
+        self.corpus = np.concatenate(self.finished)
+
+    def propose(self, engine, items: list[ScheduledSeq]):
+        for item in items:
+            item.drafts = self.tree(np.asarray(item.seq.token_ids), item.num_spec, 1)[0]
+
+    def tree(self, tokens: np.ndarray, budget: int, branches: int) -> tuple[list[int], list[int]]:
+        found = [(hay, *suffix_matches(hay, tokens, self.max_match)) for hay in (self.corpus, tokens)]
+        m = max(length for _, length, _ in found)
+        depth = min(budget, int(self.max_spec_factor * m))
+        rows = [continuations(hay, ends, depth) for hay, length, ends in found if length == m > 0]
+        return draft_tree(np.concatenate(rows), budget, branches, self.min_prob) if rows else ([], [])
+
+
 class DraftModelProposer:
     """A small model with the target's vocabulary, sharing the target's block tables and slots."""
 
@@ -345,7 +424,8 @@ class LLMEngine:
     def __init__(self, model: str | None = None, dtype="auto", device="cpu", block_size=16,
                  num_blocks: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs=64,
                  max_num_batched_tokens=2048, max_model_len: int | None = None, draft: str | None = None,
-                 num_spec_tokens=0, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None):
+                 num_spec_tokens=0, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None,
+                 suffix_max_requests=256):
         k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
         for ok, problem in [  # checked before any model loads
             (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
@@ -355,7 +435,7 @@ class LLMEngine:
             (num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
              f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}"),
             (not num_spec_tokens or draft not in (None, "", "none"),
-             "num_spec_tokens > 0 needs a draft: 'ngram', a model folder or 'mlp:PATH'"),
+             "num_spec_tokens > 0 needs a draft: 'ngram', 'suffix', a model folder or 'mlp:PATH'"),
             (max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one token "
                                                       f"plus {k} drafts, got {max_num_batched_tokens}"),
             (1 <= ngram_min <= ngram_max, f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}"),
@@ -375,7 +455,7 @@ class LLMEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec_tokens = num_spec_tokens
         self.spec_disable_batch_size = spec_disable_batch_size
-        self.proposer = self.make_proposer(draft, ngram_min, ngram_max)
+        self.proposer = self.make_proposer(draft, ngram_min, ngram_max, suffix_max_requests)
         cache_models = [self.model] + ([self.proposer.model] if isinstance(self.proposer, DraftModelProposer) else [])
         # The context is the shortest any model can position: the target's, a draft model's, and a
         # sliding-window model's window (models/llama.py). Asking for more is an error, not a silent cap.
@@ -399,11 +479,13 @@ class LLMEngine:
             k_max = self.proposer.model.n_predict if isinstance(self.proposer, MLPProposer) else 8
             self.chooser = GoodputChooser(k_max, self.profile_verify(max_num_seqs * (k_max + 1)))
 
-    def make_proposer(self, draft, ngram_min, ngram_max):
+    def make_proposer(self, draft, ngram_min, ngram_max, suffix_max_requests):
         if draft in (None, "", "none"):
             return None
         if draft == "ngram":
             return NgramProposer(ngram_min, ngram_max)
+        if draft == "suffix":
+            return SuffixProposer(suffix_max_requests)
         if draft.startswith("mlp:"):
             from models.mlp_speculator import load_speculator
             speculator = load_speculator(draft[4:], self.dtype, self.device)
@@ -698,6 +780,8 @@ class LLMEngine:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.finish_time = time.perf_counter()
+        if isinstance(self.proposer, SuffixProposer):  # finished requests feed later ones' proposals
+            self.proposer.remember(seq.token_ids)
         if seq.text is None and self.tokenizer is not None:
             seq.text = self.tokenizer.decode(seq.output_ids)
 
@@ -761,7 +845,7 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int)
-    p.add_argument("--draft", help="'ngram', a draft model folder, or 'mlp:PATH' (an MLP speculator)")
+    p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder, or 'mlp:PATH' (an MLP speculator)")
     p.add_argument("--num-spec-tokens", default="0", help="K drafts per step, or 'auto'")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
