@@ -845,7 +845,7 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int)
-    p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder, or 'mlp:PATH' (an MLP speculator)")
+    p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder or 'mlp:PATH' (MLP speculator)")
     p.add_argument("--num-spec-tokens", default="0", help="K drafts per step, or 'auto'")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
