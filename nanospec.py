@@ -118,10 +118,45 @@ class RequestOutput:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int                  # tokens of seq.token_ids fed this step (prefill chunk, or 1)
-    num_spec: int                    # lookahead slots reserved for drafts this step
+    num_spec: int                    # lookahead slots reserved for drafts this step: the node budget
     samples: bool                    # this step reaches the end of the sequence, so it emits tokens
+    max_depth: int = 0               # K: the longest draft path (a chain: num_spec)
     drafts: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # per draft: its parent draft, -1 = the last token
     draft_probs: torch.Tensor | None = None  # [len(drafts), V]; None = one-hot drafts (n-gram)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """The depth of each draft node (1: a child of the last token); parents come before children."""
+    depths = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_layout(batch, parents: list[list[int]]) -> tuple[torch.Tensor, dict[int, list[int]]]:
+    """The logical positions of a forward's tokens, and each draft node's root-to-node path in cache
+    positions, keyed by the node's index in the forward. Tokens fill consecutive cache positions from
+    their start; a node at depth d takes the root's position + d, where plain decoding puts it."""
+    positions, paths = [], {}
+    for (_, tokens, start), nodes in zip(batch, parents):
+        root = start + len(tokens) - len(nodes) - 1  # the last token before the drafts
+        positions += range(start, root + 1)
+        node_paths = []
+        for i, p in enumerate(nodes):
+            node_paths.append((node_paths[p] if p >= 0 else [root]) + [root + 1 + i])
+            paths[len(positions)] = node_paths[-1]
+            positions.append(root + len(node_paths[-1]) - 1)
+    return torch.tensor(positions), paths
+
+
+def tree_keys(positions: torch.Tensor, paths: dict[int, list[int]]) -> torch.Tensor:
+    """AttentionContext.tree_keys: [T, W] cache positions of each token's last W logical keys."""
+    width = max(map(len, paths.values()))
+    keys = positions[:, None] - width + 1 + torch.arange(width)  # a token off the tree reads its own
+    for t, path in paths.items():
+        keys[t, width - len(path):] = torch.tensor(path)
+    return keys
 
 
 REJECTION_CHUNK_BYTES = 2**28  # bounds the rejection sampler's probability tensors per call
@@ -195,26 +230,30 @@ def couples(seq: Sequence) -> bool:
     return seq.params.temperature == 0 or seq.params.seed is not None
 
 
-def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[int], list[int]]:
+def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
     """The token at each position is the target's own sample there: the argmax of the logits (greedy)
-    or argmax(p / E) with the position's noise E. A draft is accepted iff it equals that token; the
-    token after the last accepted draft is emitted (the recovered or the bonus token). An exact sample
-    from the target; one-hot drafts are accepted with probability p(d), as rejection sampling does."""
+    or argmax(p / E) with the position's noise E. A draft is accepted iff it equals that token: from the
+    last token down the tree, the child equal to the token its parent's row gives; the token after the
+    last accepted draft is emitted (the recovered or the bonus token). An exact sample from the target;
+    one-hot drafts are accepted with probability p(d), as rejection sampling does.
+    Returns the accepted path (draft indices) and the next token per sequence."""
     best = logits.max(-1).indices.tolist()  # the step's one host sync; max: 2x faster than bf16 argmax
-    num_accepted, next_tokens, row = [], [], 0
+    paths, next_tokens, row = [], [], 0
     for it in sampling:
-        def target_token(j: int) -> int:  # of row j: the token at position len(seq) + j
+        def target_token(node: int, depth: int) -> int:  # of node's row: the token at len(seq) + depth
             if it.seq.params.temperature == 0:
-                return best[row + j]
-            return sample_at(logits_to_probs(logits[row + j][None], [it.seq])[0], it.seq, len(it.seq) + j)
-        n, token = 0, target_token(0)
-        while n < len(it.drafts) and it.drafts[n] == token:  # each row's token is computed once
-            n += 1
-            token = target_token(n)
-        num_accepted.append(n)
+                return best[row + node + 1]
+            probs = logits_to_probs(logits[row + node + 1][None], [it.seq])[0]
+            return sample_at(probs, it.seq, len(it.seq) + depth)
+        path, token = [], target_token(-1, 0)
+        while (child := next((i for i, (d, p) in enumerate(zip(it.drafts, it.parents))
+                              if d == token and p == (path[-1] if path else -1)), None)) is not None:
+            path.append(child)
+            token = target_token(child, len(path))  # each row's token is computed once
+        paths.append(path)
         next_tokens.append(token)
         row += len(it.drafts) + 1
-    return num_accepted, next_tokens
+    return paths, next_tokens
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, float]:
@@ -226,7 +265,8 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
 
 
 # ---------------------------------------------------------------------------------------------
-# Proposers: each fills item.drafts (<= item.num_spec tokens) and item.draft_probs.
+# Proposers: each fills item.drafts (<= item.num_spec tokens) and item.draft_probs, or a draft tree
+# (item.drafts and item.parents, parents before children) of <= num_spec nodes and max_depth levels.
 # ---------------------------------------------------------------------------------------------
 class NgramProposer:
     """Prompt lookup: find the first occurrence of the longest suffix n-gram (n in [min_n, max_n])
@@ -239,17 +279,21 @@ class NgramProposer:
 
     def propose(self, engine, items: list[ScheduledSeq]):
         for item in items:
-            item.drafts = self.lookup(np.asarray(item.seq.token_ids), item.num_spec)
+            branches = item.num_spec if engine.grows_tree(item.seq) else 1
+            tokens = np.asarray(item.seq.token_ids)
+            item.drafts, item.parents = self.tree(tokens, item.num_spec, item.max_depth, branches)
 
-    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+    def tree(self, tokens: np.ndarray, budget: int, depth: int, branches: int) -> tuple[list[int], list[int]]:
+        """A chain (branches = 1): the first occurrence's continuation. A tree: those of every occurrence,
+        the most frequent first."""
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             # windows[i] = tokens[i : i+n] for every start whose n-gram ends before the suffix itself
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if len(hits):
-                start = hits[0] + n
-                return tokens[start:start + k].tolist()
-        return []
+                return draft_tree(continuations(tokens, hits[:1 if branches == 1 else None] + n - 1, depth),
+                                  budget, branches, 0.0)
+        return [], []
 
 
 def suffix_matches(hay: np.ndarray, context: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
@@ -318,14 +362,12 @@ class SuffixProposer:
         self.finished.append(np.append(token_ids, -1))
         self.corpus = np.concatenate(self.finished)
 
-    def propose(self, engine, items: list[ScheduledSeq]):
-        for item in items:
-            item.drafts = self.tree(np.asarray(item.seq.token_ids), item.num_spec, 1)[0]
+    propose = NgramProposer.propose  # the same loop, over this class's tree()
 
-    def tree(self, tokens: np.ndarray, budget: int, branches: int) -> tuple[list[int], list[int]]:
+    def tree(self, tokens: np.ndarray, budget: int, depth: int, branches: int) -> tuple[list[int], list[int]]:
         found = [(hay, *suffix_matches(hay, tokens, self.max_match)) for hay in (self.corpus, tokens)]
         m = max(length for _, length, _ in found)
-        depth = min(budget, int(self.max_spec_factor * m))
+        depth = min(depth, int(self.max_spec_factor * m))
         rows = [continuations(hay, ends, depth) for hay, length, ends in found if length == m > 0]
         return draft_tree(np.concatenate(rows), budget, branches, self.min_prob) if rows else ([], [])
 
@@ -425,7 +467,7 @@ class LLMEngine:
                  num_blocks: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs=64,
                  max_num_batched_tokens=2048, max_model_len: int | None = None, draft: str | None = None,
                  num_spec_tokens=0, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None,
-                 suffix_max_requests=256):
+                 suffix_max_requests=256, spec_tree_nodes=0):
         k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
         for ok, problem in [  # checked before any model loads
             (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
@@ -439,6 +481,8 @@ class LLMEngine:
             (max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one token "
                                                       f"plus {k} drafts, got {max_num_batched_tokens}"),
             (1 <= ngram_min <= ngram_max, f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}"),
+            (not spec_tree_nodes or draft in ("ngram", "suffix"),
+             f"spec_tree_nodes needs draft 'ngram' or 'suffix', got {draft!r}"),
         ]:
             if not ok:
                 raise ValueError(problem)
@@ -455,6 +499,7 @@ class LLMEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec_tokens = num_spec_tokens
         self.spec_disable_batch_size = spec_disable_batch_size
+        self.spec_tree_nodes = spec_tree_nodes
         self.proposer = self.make_proposer(draft, ngram_min, ngram_max, suffix_max_requests)
         cache_models = [self.model] + ([self.proposer.model] if isinstance(self.proposer, DraftModelProposer) else [])
         # The context is the shortest any model can position: the target's, a draft model's, and a
@@ -546,6 +591,10 @@ class LLMEngine:
             return 0
         return self.chooser.choose(max(len(self.running), 1)) if self.chooser else self.num_spec_tokens
 
+    def grows_tree(self, seq: Sequence) -> bool:
+        """Draft trees for coupled requests only: unseeded sampling's rejection sampler takes chains."""
+        return self.spec_tree_nodes > 0 and couples(seq)
+
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """Final-norm hidden states [T, H] of one token sequence, outside any request (borrows blocks)."""
@@ -594,16 +643,19 @@ class LLMEngine:
             request_k = engine_k if seq.params.num_spec_tokens is None else seq.params.num_spec_tokens
             k = min(engine_k, request_k, budget - num_tokens, self.max_model_len - len(seq))
             k = k if seq.phase == "decoding" else 0
-            while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + k):
-                if k > 0:
-                    k -= 1  # shrink the lookahead before preempting anyone
+            tree = k and self.grows_tree(seq)
+            nodes = min(max(k, self.spec_tree_nodes), budget - num_tokens) if tree else k  # the node budget
+            while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + nodes):
+                if nodes > 0:
+                    nodes -= 1  # shrink the lookahead before preempting anyone
                     continue
                 self.preempt(self.running[-1])
                 if seq not in self.running:
                     break
             if seq in self.running:
-                scheduled.append(ScheduledSeq(seq, num_tokens, k, seq.num_cached + num_tokens == len(seq)))
-                budget -= num_tokens + k
+                samples = seq.num_cached + num_tokens == len(seq)
+                scheduled.append(ScheduledSeq(seq, num_tokens, nodes, samples, min(k, nodes)))
+                budget -= num_tokens + nodes
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_tokens = min(len(seq), budget)
@@ -615,21 +667,27 @@ class LLMEngine:
         return scheduled
 
     # -- one forward over a varlen batch --------------------------------------------------------
-    def forward(self, model, batch: list[tuple[Sequence, list[int], int]]):
-        """batch: (seq, tokens, start position). Returns hidden [T, H] and host query_start_loc [B+1]."""
+    def forward(self, model, batch: list[tuple[Sequence, list[int], int]], parents=None):
+        """batch: (seq, tokens, start position); parents[b]: the parent of each of batch b's last tokens
+        when they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H] and host query_start_loc
+        [B+1]."""
         q_lens = [len(tokens) for _, tokens, _ in batch]
         seq_lens = [start + len(tokens) for _, tokens, start in batch]
         input_ids = torch.tensor([t for _, tokens, _ in batch for t in tokens])
-        positions = torch.cat([torch.arange(start, start + len(tokens)) for _, tokens, start in batch])
+        slots = torch.cat([torch.arange(start, start + len(tokens)) for _, tokens, start in batch])  # cache
+        positions, paths = tree_layout(batch, parents or [[]] * len(batch))
         width = max(len(seq.block_table) for seq, _, _ in batch)
         block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s, _, _ in batch])
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(q_lens))
-        slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
-                        + positions % self.block_size)
+        slot_mapping = (block_tables[seq_of_token, slots // self.block_size] * self.block_size
+                        + slots % self.block_size)
         query_start_loc = torch.tensor([0] + list(itertools.accumulate(q_lens)))
         dev = self.device
-        set_context(AttentionContext(slot_mapping.to(dev), block_tables.to(dev), torch.tensor(seq_lens, device=dev),
-                                     query_start_loc.to(dev), max(q_lens), max(seq_lens)))
+        ctx = AttentionContext(slot_mapping.to(dev), block_tables.to(dev), torch.tensor(seq_lens, device=dev),
+                               query_start_loc.to(dev), max(q_lens), max(seq_lens))
+        if not torch.equal(positions, slots):  # a tree: some node's logical position is not its slot
+            ctx.tree_pos, ctx.tree_keys = positions.to(dev), tree_keys(positions, paths).to(dev)
+        set_context(ctx)
         try:
             hidden = model(input_ids.to(dev), positions.to(dev))
         finally:
@@ -660,14 +718,16 @@ class LLMEngine:
             self.proposer.propose(self, speculating)
         drafted = time.perf_counter()
         self.stats["steps"] += 1
-        self.k_histogram[max((item.num_spec for item in scheduled), default=0)] += 1
+        self.k_histogram[max((item.max_depth for item in scheduled), default=0)] += 1
         # Verify: one target forward over every sequence's new tokens plus its drafts.
+        for it in scheduled:  # a proposer that fills no parents proposed a chain
+            it.parents = it.parents or list(range(-1, len(it.drafts) - 1))
         batch = [(it.seq, it.seq.token_ids[it.seq.num_cached:it.seq.num_cached + it.num_tokens] + it.drafts,
                   it.seq.num_cached) for it in scheduled]
-        hidden, query_start = self.forward(self.model, batch)
+        hidden, query_start = self.forward(self.model, batch, [it.parents for it in scheduled])
         if self.chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
             self.synchronize()
-            now, k = time.perf_counter(), max(it.num_spec for it in scheduled)
+            now, k = time.perf_counter(), max(it.max_depth for it in scheduled)
             self.chooser.observe_time(self.chooser.verify_time, int(query_start[-1]), now - drafted)
             if speculating:
                 self.chooser.observe_time(self.chooser.draft_time, len(speculating), (drafted - start) / k)
@@ -682,16 +742,18 @@ class LLMEngine:
         logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
         finished = []
         row = 0
-        for it, (n, token) in zip(sampling, self.accept(sampling, logits)):
-            self.commit(it, n, token, hidden[rows[row + n]], logits[row:row + n + 1])
+        for it, (path, token) in zip(sampling, self.accept(sampling, logits)):
+            own = [row] + [row + 1 + node for node in path]  # the rows that produced the new tokens
+            self.commit(it, path, token, hidden[rows[own[-1]]], logits[own])
             row += len(it.drafts) + 1
             if it.seq.finish_reason is not None:
                 finished.append(it.seq)
         return finished
 
-    def accept(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[int, int]]:
-        """(num_accepted, next_token) per sequence: coupled acceptance for greedy and seeded requests,
-        the rejection sampler for the others, in chunks that bound its [rows, K+1, V] fp32 tensors."""
+    def accept(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+        """(accepted path of draft indices, next_token) per sequence: coupled acceptance for greedy and
+        seeded requests, the rejection sampler for the others, in chunks that bound its [rows, K+1, V] fp32
+        tensors."""
         starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
         coupled = [i for i, it in enumerate(sampling) if couples(it.seq)]
         others = [i for i, it in enumerate(sampling) if not couples(it.seq)]
@@ -707,7 +769,7 @@ class LLMEngine:
         return [results[i] for i in range(len(sampling))]
 
     def rejection_sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor):
-        """Standard rejection sampling over the padded batch -> (num_accepted, next_token) lists."""
+        """Standard rejection sampling of chains over the padded batch -> (accepted paths, next tokens)."""
         max_k = max(len(it.drafts) for it in sampling)
         vocab = logits.shape[-1]
         seqs_per_row = [it.seq for it in sampling for _ in range(len(it.drafts) + 1)]
@@ -729,28 +791,32 @@ class LLMEngine:
         num_drafts = torch.tensor([len(it.drafts) for it in sampling], device=self.device)
         num_accepted, next_tokens = kernels.rejection_sample(target_probs, draft_tokens, draft_probs,
                                                              num_drafts, uniform, noise)
-        return num_accepted.tolist(), next_tokens.tolist()
+        return [list(range(n)) for n in num_accepted.tolist()], next_tokens.tolist()
 
     # -- commit -----------------------------------------------------------------------------
-    def commit(self, it: ScheduledSeq, num_accepted: int, token: int, hidden_row: torch.Tensor,
+    def commit(self, it: ScheduledSeq, path: list[int], token: int, hidden_row: torch.Tensor,
                logits: torch.Tensor):
-        """logits: the rows that produced the accepted drafts and the next token, one per token."""
-        seq, k = it.seq, len(it.drafts)
+        """path: the accepted drafts (indices, root to leaf); logits: the rows that produced them and the
+        next token, one per token."""
+        seq, depth = it.seq, max(tree_depths(it.parents), default=0)
+        if path != list(range(len(path))):  # off the first branch: move the path's K/V to its positions
+            self.move_kv(seq, [len(seq) + node for node in path], range(len(seq), len(seq) + len(path)))
+            self.stats["kv_moves"] += 1
         # The last token and the accepted drafts now have valid K/V; rejected slots get overwritten later.
-        seq.num_cached = len(seq) + num_accepted
+        seq.num_cached = len(seq) + len(path)
         seq.num_draft_cached = min(seq.num_draft_cached, seq.num_cached)
         seq.last_hidden = hidden_row
         if it.num_spec and self.chooser:
-            self.chooser.observe_acceptance(k, num_accepted)
+            self.chooser.observe_acceptance(depth, len(path))
         if it.num_spec:
             seq.num_spec_steps += 1
-            seq.num_drafted += k
-            seq.num_accepted += num_accepted
-            seq.drafted_per_position.update(range(k))
-            seq.accepted_per_position.update(range(num_accepted))
+            seq.num_drafted += len(it.drafts)  # nodes verified
+            seq.num_accepted += len(path)
+            seq.drafted_per_position.update(range(depth))  # per depth
+            seq.accepted_per_position.update(range(len(path)))
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        for t, row in zip(it.drafts[:num_accepted] + [token], logits):
+        for t, row in zip([it.drafts[node] for node in path] + [token], logits):
             seq.token_ids.append(t)
             if seq.logprobs is not None:
                 seq.logprobs.append(token_logprobs(row, t, seq.params.logprobs))
@@ -760,6 +826,13 @@ class LLMEngine:
             self.blocks.trim(seq, len(seq))  # give back lookahead blocks that rejected drafts used
         else:
             self.finish(seq)
+
+    def move_kv(self, seq: Sequence, sources, destinations):
+        """Copy K/V between positions of seq in every cache ([2, layers, blocks, block_size, heads, dim])."""
+        src, dst = ([self.blocks.slot(seq, p) for p in positions] for positions in (sources, destinations))
+        for cache in self.kv_caches:
+            by_slot = cache.flatten(2, 3)
+            by_slot[:, :, dst] = by_slot[:, :, src]
 
     def check_stop(self, seq: Sequence) -> bool:
         p, last = seq.params, seq.token_ids[-1]
@@ -849,6 +922,8 @@ def parse_args(argv=None):
     p.add_argument("--num-spec-tokens", default="0", help="K drafts per step, or 'auto'")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--spec-tree-nodes", type=int, default=0,
+                   help="verify a draft tree of up to N nodes per step (ngram, suffix); 0: a chain")
     p.add_argument("--spec-disable-batch-size", type=int,
                    help="run without speculation while more than this many sequences are running")
     p.add_argument("--logprobs", type=int, help="log-probabilities of each token and the N most likely (--json)")
@@ -887,7 +962,8 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
         rows += [("drafted tokens", drafted), ("accepted tokens", accepted),
                  ("acceptance rate", f"{accepted / max(drafted, 1):.2%}"),
                  ("mean accepted length", f"{1 + accepted / max(spec_steps, 1):.2f}"),
-                 ("acceptance per position", " ".join(f"{a:.2f}" for a in per_position)),
+                 ("nodes verified per step", f"{drafted / max(spec_steps, 1):.2f}"),
+                 ("acceptance per depth", " ".join(f"{a:.2f}" for a in per_position)),
                  ("K per step (K: steps)", " ".join(f"{k}:{n}" for k, n in sorted(llm.k_histogram.items())))]
     for name, value in rows:
         table.add_row(name, str(value))
@@ -916,7 +992,7 @@ def main(argv=None) -> int:
                   num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   draft=args.draft, num_spec_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                  spec_disable_batch_size=args.spec_disable_batch_size)
+                  spec_disable_batch_size=args.spec_disable_batch_size, spec_tree_nodes=args.spec_tree_nodes)
         prompts = read_prompts(args)
         if args.chat:
             if llm.tokenizer is None:

@@ -21,21 +21,21 @@ def test_suffix_proposes_the_most_frequent_continuation_of_the_longest_match():
     proposer = SuffixProposer(max_match=4)
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 9, 4, 2, 3, 8, 7, 2, 3])
     # "2 3" is followed by 9 twice and by 8 once; the longer match "1 2 3" does not occur at the end.
-    assert proposer.tree(tokens, 1, 1)[0] == [9]
+    assert proposer.tree(tokens, 1, 1, 1)[0] == [9]
     # Match length 2 caps the proposal at 2 tokens (max_spec_factor 1) even with budget 8.
-    assert proposer.tree(tokens, 8, 1)[0] == [9, 1]
-    assert SuffixProposer(max_spec_factor=2.0).tree(tokens, 8, 1)[0] == [9, 1, 2, 3]
-    assert proposer.tree(np.array([1, 2, 3]), 4, 1) == ([], [])
+    assert proposer.tree(tokens, 8, 8, 1)[0] == [9, 1]
+    assert SuffixProposer(max_spec_factor=2.0).tree(tokens, 8, 8, 1)[0] == [9, 1, 2, 3]
+    assert proposer.tree(np.array([1, 2, 3]), 4, 4, 1) == ([], [])
 
 
 def test_memory_spans_requests_and_evicts_the_oldest():
     proposer = SuffixProposer(max_requests=2)
     proposer.remember([10, 11, 12, 13, 14, 15])
-    assert proposer.tree(np.array([7, 10, 11, 12]), 3, 1)[0] == [13, 14, 15]  # learnt from a finished request
+    assert proposer.tree(np.array([7, 10, 11, 12]), 3, 3, 1)[0] == [13, 14, 15]  # from a finished request
     proposer.remember([20, 21, 22])
     proposer.remember([30, 31, 32])
-    assert proposer.tree(np.array([7, 10, 11, 12]), 3, 1)[0] == []  # the first request was evicted
-    assert proposer.tree(np.array([7, 30, 31]), 3, 1)[0] == [32]  # never past a request's end
+    assert proposer.tree(np.array([7, 10, 11, 12]), 3, 3, 1)[0] == []  # the first request was evicted
+    assert proposer.tree(np.array([7, 30, 31]), 3, 3, 1)[0] == [32]  # never past a request's end
     assert len(proposer.finished) == 2
 
 
@@ -62,3 +62,38 @@ def test_repeated_requests_accept_more_than_ngram(target):  # noqa: F811
         llm.generate(prompts(6), GREEDY, use_progress=False)
         lengths[draft] = mean_accepted_length(llm.generate(prompts(6), GREEDY, use_progress=False))
     assert lengths["suffix"] >= 1.5 * lengths["ngram"]
+
+
+CASES = {"suffix chain": ("suffix", 0), "suffix tree": ("suffix", 6), "ngram tree": ("ngram", 6)}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_trees_keep_greedy_output(case, block_size, target, plain_outputs):  # noqa: F811
+    draft, nodes = CASES[case]
+    for batch in (1, 8):
+        llm = LLM(target[0], dtype="float32", block_size=block_size, num_blocks=4096 // block_size,
+                  draft=draft, num_spec_tokens=3, spec_tree_nodes=nodes)
+        for _ in range(2):  # the second round: the suffix proposer remembers the first
+            outs = llm.generate(prompts(10)[:batch], GREEDY, use_progress=False)
+            assert [o.token_ids for o in outs] == plain_outputs[:batch]
+        assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+        assert sum(o.num_accepted_tokens for o in outs) > 0
+        if batch == 8:  # with trees, paths off the first branch were accepted (their K/V moved)
+            assert (llm.stats["kv_moves"] > 0) == (nodes > 0)
+
+
+def test_seeded_sampling_with_trees_equals_plain(target):  # noqa: F811
+    # (at 0.3 the tiny model follows its prompts' patterns often enough for off-first-branch accepts);
+    # an unseeded request rides along: it gets chains and the rejection sampler
+    params = [SamplingParams(temperature=0.3, max_tokens=24, ignore_eos=True, seed=i) for i in range(8)]
+    params[7] = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True)
+    plain = LLM(target[0], dtype="float32", block_size=4, num_blocks=256)
+    want = [o.token_ids for o in plain.generate(prompts(8), params, use_progress=False)][:7]
+    for draft in ("suffix", "ngram"):
+        llm = LLM(target[0], dtype="float32", block_size=4, num_blocks=256, draft=draft, num_spec_tokens=4,
+                  spec_tree_nodes=8)
+        for _ in range(2):
+            outs = llm.generate(prompts(8), params, use_progress=False)
+            assert [o.token_ids for o in outs[:7]] == want and len(outs[7].token_ids) == 24
+        assert llm.stats["kv_moves"] > 0
