@@ -48,7 +48,8 @@ def test_suffix_keeps_greedy_output(k, target, plain_outputs):  # noqa: F811
             outs = llm.generate(prompts(10)[:batch], GREEDY, use_progress=False)
             assert [o.token_ids for o in outs] == plain_outputs[:batch]
         assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
-        assert sum(o.num_accepted_tokens for o in outs) > 0
+        # (auto K follows measured step times: it may choose K = 0 throughout on a tiny model)
+        assert sum(o.num_accepted_tokens for o in outs) > 0 or k == "auto"
 
 
 def mean_accepted_length(outs) -> float:
@@ -64,36 +65,39 @@ def test_repeated_requests_accept_more_than_ngram(target):  # noqa: F811
     assert lengths["suffix"] >= 1.5 * lengths["ngram"]
 
 
-CASES = {"suffix chain": ("suffix", 0), "suffix tree": ("suffix", 6), "ngram tree": ("ngram", 6)}
+CASES = {"suffix chain": ("suffix", 3, 0), "suffix tree": ("suffix", 3, 6), "ngram tree": ("ngram", 3, 6),
+         "suffix tree auto": ("suffix", "auto", 6), "ngram tree auto": ("ngram", "auto", 6)}
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_trees_keep_greedy_output(case, block_size, target, plain_outputs):  # noqa: F811
-    draft, nodes = CASES[case]
-    for batch in (1, 8):
-        llm = LLM(target[0], dtype="float32", block_size=block_size, num_blocks=4096 // block_size,
-                  draft=draft, num_spec_tokens=3, spec_tree_nodes=nodes)
+    draft, k, nodes = CASES[case]
+    for batch, tokens in ((1, 4096), (8, 160)):  # 160 cached tokens: batch 8 shrinks trees and preempts
+        llm = LLM(target[0], dtype="float32", block_size=block_size, num_blocks=tokens // block_size,
+                  draft=draft, num_spec_tokens=k, spec_tree_nodes=nodes)
         for _ in range(2):  # the second round: the suffix proposer remembers the first
             outs = llm.generate(prompts(10)[:batch], GREEDY, use_progress=False)
             assert [o.token_ids for o in outs] == plain_outputs[:batch]
         assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
-        assert sum(o.num_accepted_tokens for o in outs) > 0
-        if batch == 8:  # with trees, paths off the first branch were accepted (their K/V moved)
-            assert (llm.stats["kv_moves"] > 0) == (nodes > 0)
+        if k != "auto":  # (auto K may choose K = 0 throughout on a tiny model)
+            assert sum(o.num_accepted_tokens for o in outs) > 0
+        if batch == 8 and k != "auto":  # with trees, paths off the first branch were accepted (K/V moved)
+            assert (llm.stats["kv_moves"] > 0) == (nodes > 0) and llm.stats["preemptions"] > 0
 
 
-def test_seeded_sampling_with_trees_equals_plain(target):  # noqa: F811
+def test_seeded_sampling_and_logprobs_with_trees_equal_plain(target):  # noqa: F811
     # (at 0.3 the tiny model follows its prompts' patterns often enough for off-first-branch accepts);
     # an unseeded request rides along: it gets chains and the rejection sampler
-    params = [SamplingParams(temperature=0.3, max_tokens=24, ignore_eos=True, seed=i) for i in range(8)]
+    params = [SamplingParams(temperature=0.3, max_tokens=24, ignore_eos=True, seed=i, logprobs=1)
+              for i in range(8)]
     params[7] = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True)
     plain = LLM(target[0], dtype="float32", block_size=4, num_blocks=256)
-    want = [o.token_ids for o in plain.generate(prompts(8), params, use_progress=False)][:7]
+    want = [(o.token_ids, o.logprobs) for o in plain.generate(prompts(8), params, use_progress=False)][:7]
     for draft in ("suffix", "ngram"):
         llm = LLM(target[0], dtype="float32", block_size=4, num_blocks=256, draft=draft, num_spec_tokens=4,
                   spec_tree_nodes=8)
         for _ in range(2):
             outs = llm.generate(prompts(8), params, use_progress=False)
-            assert [o.token_ids for o in outs[:7]] == want and len(outs[7].token_ids) == 24
+            assert [(o.token_ids, o.logprobs) for o in outs[:7]] == want and len(outs[7].token_ids) == 24
         assert llm.stats["kv_moves"] > 0
