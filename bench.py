@@ -98,6 +98,10 @@ def run_nanospec(llm: LLM, prompts, params, repeat):
                                / max(sum(len(o.token_ids) - 1 for o in outs), 1),
         "drafted": drafted, "accepted": accepted,
         "mean_accepted_length": 1 + accepted / steps if steps else None,
+        # per run, in order: from the second on, the same requests again (the suffix proposer remembers)
+        "mean_accepted_length_runs": [1 + sum(o.num_accepted_tokens for o in r[2])
+                                      / max(sum(o.num_spec_steps for o in r[2]), 1) for r in runs],
+        "nodes_per_step": drafted / steps if steps else None,
         "acceptance_per_position": spec_metrics(outs)["acceptance_per_position"],
         "k_per_step": k_hist,
         "token_ids": [o.token_ids for o in outs],  # compared with plain decoding's, then dropped
@@ -141,8 +145,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps (bench.py kernels "
                                              "--compile-only: the Triton kernels' GPU compile table)")
     p.add_argument("--model", default="default", help="model folder, or 'default' (embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default="none,ngram", help="comma list of: none, ngram, PATH, mlp:PATH")
+    p.add_argument("--draft", default="none,ngram", help="comma list of: none, ngram, suffix, PATH, mlp:PATH")
     p.add_argument("--num-spec-tokens", default="4", help="comma list of K values and/or 'auto'")
+    p.add_argument("--spec-tree-nodes", default="0", help="comma list of tree node budgets (0: chains)")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--workload", default="grounded", help="'grounded', 'chat' (built in) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per run (default: the batch size)")
@@ -167,7 +172,9 @@ def sweep(args):
     ks = [k if k == "auto" else int(k) for k in args.num_spec_tokens.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
-    configs = [("none", 0)] * ("none" in drafts) + [(d, k) for d in drafts if d != "none" for k in ks]
+    trees = [int(n) for n in args.spec_tree_nodes.split(",")]
+    configs = [("none", 0, 0)] * ("none" in drafts) + [(d, k, n) for d in drafts if d != "none" for k in ks
+                                                       for n in (trees if d in ("ngram", "suffix") else [0])]
     results = []
     base = LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch_sizes))
     all_prompts = read_workload(args.workload)
@@ -182,17 +189,20 @@ def sweep(args):
               AutoTokenizer.from_pretrained(path))
     with Progress(transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(configs) * len(batch_sizes))
-        for draft, k in configs:
-            llm = base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device, draft=draft,
-                                                   max_num_seqs=max(batch_sizes), num_spec_tokens=k,
-                                                   spec_disable_batch_size=args.spec_disable_batch_size)
+        for draft, k, nodes in configs:
+            spec = dict(draft=draft, num_spec_tokens=k, spec_disable_batch_size=args.spec_disable_batch_size,
+                        spec_tree_nodes=nodes)
+            llm = base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device,
+                                                   max_num_seqs=max(batch_sizes), **spec)
             for b in batch_sizes:
                 n = args.num_prompts or b
                 prompts = [all_prompts[i % len(all_prompts)] for i in range(n)]
                 llm.max_num_seqs = b
-                llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_progress=False)  # warm-up
-                row = {"method": draft, "k": k, "batch": b, **run_nanospec(llm, prompts, params, args.repeat)}
-                if hf and (draft == "none" or draft == "ngram" and b == 1 and k != "auto"):
+                # warm-up, on a prompt of its own: the suffix proposer remembers finished requests
+                llm.generate(["Hello"], SamplingParams(max_tokens=8), use_progress=False)
+                row = {"method": draft, "k": k, "tree": nodes, "batch": b,
+                       **run_nanospec(llm, prompts, params, args.repeat)}
+                if hf and (draft == "none" or draft == "ngram" and not nodes and b == 1 and k != "auto"):
                     row["hf_tok_s"] = run_hf(*hf, prompts, b, args.max_tokens, args.repeat,
                                              prompt_lookup=k if draft == "ngram" else None)["tok_s"]
                 results.append(row)
@@ -210,13 +220,14 @@ def sweep(args):
     machine = machine_info(base.dtype, args.device)
     table = Table(title=f"nanospec bench · {args.model} · {machine['dtype']} · {args.workload} · max_tokens "
                         f"{args.max_tokens} · {machine['cpu']} · {machine['kernels']}")
-    for col in ("method", "K", "batch", "= plain", "tok/s", "req/s", "TTFT p50/p90 ms", "TPOT p50/p90 ms", "mean acc len",
-                "acc/pos", "K per step", "x plain", "x plain decode", "hf tok/s", "x hf"):
+    for col in ("method", "K", "tree", "batch", "= plain", "tok/s", "req/s", "TTFT p50/p90 ms",
+                "TPOT p50/p90 ms", "mean acc len", "acc/pos", "K per step", "x plain", "x plain decode", "hf tok/s", "x hf"):
         table.add_column(col, justify="left" if col in ("method", "acc/pos", "K per step") else "right")
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
     for r in results:
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_plain"]]
-        table.add_row(os.path.basename(r["method"].rstrip("/")), str(r["k"]), str(r["batch"]), same, f"{r['tok_s']:.1f}",
+        table.add_row(os.path.basename(r["method"].rstrip("/")), str(r["k"]), str(r["tree"]), str(r["batch"]),
+                      same, f"{r['tok_s']:.1f}",
                       f"{r['req_s']:.2f}", f"{1000 * r['ttft_p50']:.0f}/{1000 * r['ttft_p90']:.0f}",
                       f"{1000 * r['tpot_p50']:.1f}/{1000 * r['tpot_p90']:.1f}", fmt(r["mean_accepted_length"]),
                       " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
@@ -249,8 +260,9 @@ def compile_cases():
             cache = meta(ctx, bs, kv, d, dtype=dtype)
             kernels.triton_rotary(q_k, meta(batch * q_len, d, dtype=dtype))
             kernels.triton_store_kv(q_k[:, -kv:], q_k[:, -kv:], cache, cache, longs(batch * q_len))
+            tree = (longs(batch * q_len), longs(batch * q_len, 5)) if q_len == 9 else ()  # a draft tree
             kernels.triton_paged_attention(q_k[:, :-kv], cache, cache, longs(batch, ctx // bs), longs(batch),
-                                           longs(batch + 1), d ** -0.5, q_len, ctx)
+                                           longs(batch + 1), d ** -0.5, q_len, ctx, *tree)
         for hidden, residual in ((576, None), (8192, meta(4, 8192, dtype=dtype))):
             kernels.triton_rms_norm(meta(4, hidden, dtype=dtype), meta(hidden, dtype=dtype), 1e-6, residual)
             kernels.triton_silu_mul(meta(4, 2 * hidden, dtype=dtype))

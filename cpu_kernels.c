@@ -151,7 +151,8 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 // contract of torch_paged_attention, for prefill chunks, decode and verification alike. A work item is one
 // query and one KV head with its group of query heads. It reads its keys 0..position straight from the
 // cache in chunks of LANES keys from position 0, with an online softmax: the same arithmetic for a query at
-// a given position whatever the step around it. D must be a multiple of 16.
+// a given position whatever the step around it. D must be a multiple of 16. A tree node (tree_pos set) reads
+// logical keys 0..tree_pos[t], the last tree_width of them from the physical positions in its tree_keys row.
 // ---------------------------------------------------------------------------------------------------
 #define MAX_GROUP 16
 #define MAX_DIM 256
@@ -192,7 +193,7 @@ static inline vf sum_lanes(vf v[LANES]) {
 static inline __attribute__((always_inline)) void
 attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out, int t,
        int kv_head, int num_keys, int num_heads, int group, int block_size, int64_t slot_stride, float scale,
-       const int chunks, const int is_bf16)
+       const int64_t *remap, int remap_from, const int chunks, const int is_bf16)
 {
     int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4;
     vf qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], partial[MAX_GROUP][LANES];
@@ -208,7 +209,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     for (int l0 = 0; l0 < num_keys; l0 += LANES) {
         int64_t row[LANES];  // byte offset of keys l0..l0+15 for this KV head (past the last: a valid one)
         for (int j = 0; j < LANES; j++) {
-            int l = l0 + j < num_keys ? l0 + j : l0;
+            int64_t l = l0 + j < num_keys ? l0 + j : l0;
+            if (remap && l >= remap_from) l = remap[l - remap_from];  // a tree node's path
             int64_t slot = table[l / block_size] * block_size + l % block_size;
             row[j] = (slot * slot_stride + kv_head * head_dim) * elem;
         }
@@ -247,7 +249,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
 void paged_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                      const int64_t *seq_lens, const int64_t *query_start_loc, void *out, int num_seqs,
                      int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                     float scale, int is_bf16, int threads)
+                     float scale, int is_bf16, int threads, const int64_t *tree_pos, const int64_t *tree_keys,
+                     int tree_width)
 {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
@@ -257,9 +260,12 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache, co
         while (query_start_loc[b + 1] <= t) b++;
         int q_len = (int)(query_start_loc[b + 1] - query_start_loc[b]);
         int num_keys = (int)seq_lens[b] - q_len + (t - (int)query_start_loc[b]) + 1;  // keys 0..position
+        if (tree_pos) num_keys = (int)tree_pos[t] + 1;
+        const int64_t *remap = tree_pos ? tree_keys + (int64_t)t * tree_width : 0;
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
 #define ATTEND(CHUNKS, BF16) attend(q, k_cache, v_cache, table, out, t, kv_head, num_keys, num_heads, group, \
-                                    block_size, slot_stride, scale, CHUNKS, BF16)
+                                    block_size, slot_stride, scale, remap, num_keys - tree_width, CHUNKS, \
+                                    BF16)
         if (head_dim == 64 && is_bf16) ATTEND(64 / LANES, 1);  // the common shapes get constant loop bounds
         else if (head_dim == 64) ATTEND(64 / LANES, 0);
         else if (head_dim == 128 && is_bf16) ATTEND(128 / LANES, 1);

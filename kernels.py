@@ -36,6 +36,12 @@ class AttentionContext:
     query_start_loc: torch.Tensor  # [B+1] cu_seqlens of the packed queries
     max_q_len: int                 # host-side maxima, so no op needs a device->host sync
     max_seq_len: int
+    # Tree verification (None otherwise). Token t attends to logical positions 0..tree_pos[t]; the last W
+    # of them are its root-to-node path, read from physical positions tree_keys[t] ([T, W]; others read
+    # their own position). So a node's keys sit in the reduction order exactly where plain decoding of
+    # its path has them, and its bits equal plain decoding's (DESIGN.md, "Exactness").
+    tree_pos: torch.Tensor | None = None
+    tree_keys: torch.Tensor | None = None
 
 
 _context: AttentionContext | None = None
@@ -117,7 +123,7 @@ def _load_cpu_kernels():
     lib = ctypes.CDLL(str(library))
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 6
-    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32]
+    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr, i32]
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
     return lib
@@ -182,7 +188,7 @@ def attention(q, k, v, k_cache, v_cache, scale):
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
     fn = pick(q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention)
     return fn(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-              ctx.max_q_len, ctx.max_seq_len)
+              ctx.max_q_len, ctx.max_seq_len, ctx.tree_pos, ctx.tree_keys)
 
 
 def linear(x, layer: "Linear"):
@@ -267,10 +273,11 @@ def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                          max_q_len=None, max_seq_len=None):
+                          max_q_len=None, max_seq_len=None, tree_pos=None, tree_keys=None):
     """Causal attention of packed queries q [T, Hq, D] over the paged cache -> [T, Hq, D].
 
-    Query j of sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it.
+    Query j of sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it
+    (with a tree: logical positions <= tree_pos[t], see AttentionContext).
     Each query is attended on its own, over exactly its keys: the same shapes, so the same arithmetic,
     whatever the step around it (decode, verification, a prefill chunk).
     """
@@ -283,23 +290,28 @@ def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_sta
         keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
         for t in range(starts[b], starts[b + 1]):
-            num_keys = seq_len - (starts[b + 1] - t) + 1
-            scores = torch.einsum("hd,lhd->hl", q[t].float(), keys[:num_keys]) * scale
-            out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values[:num_keys]).to(q.dtype)
+            order = torch.arange(seq_len - (starts[b + 1] - t) + 1, device=q.device)  # keys 0..position
+            if tree_pos is not None:
+                num_keys, width = int(tree_pos[t]) + 1, tree_keys.shape[1]
+                order = torch.cat([order[:max(num_keys - width, 0)], tree_keys[t, max(width - num_keys, 0):]])
+            scores = torch.einsum("hd,lhd->hl", q[t].float(), keys[order]) * scale
+            out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values[order]).to(q.dtype)
     return out
 
 
 def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                      max_q_len=None, max_seq_len=None):
+                      max_q_len=None, max_seq_len=None, tree_pos=None, tree_keys=None):
     """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (fp32 or bf16)."""
     q = q.contiguous()
     tables, seq_lens, starts = (t.to(torch.int64).contiguous() for t in (block_tables, seq_lens, query_start_loc))
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
+    tree = () if tree_pos is None else tuple(t.to(torch.int64).contiguous() for t in (tree_pos, tree_keys))
+    tree_args = (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1]) if tree else (None, None, 0)
     cpu_kernels().paged_attention(*(t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)),
                                   len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
-                                  scale, q.dtype == torch.bfloat16, torch.get_num_threads())
+                                  scale, q.dtype == torch.bfloat16, torch.get_num_threads(), *tree_args)
     return out
 
 
@@ -419,13 +431,14 @@ def triton_store_kv(k, v, k_cache, v_cache, slot_mapping):
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, scale, segment_len, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
-        stride_ls, stride_lt, stride_cb, stride_cs, stride_ch, stride_bt,
+        query_start_loc_ptr, tree_pos_ptr, tree_keys_ptr, tree_width, scale, segment_len, stride_qt,
+        stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_cb, stride_cs, stride_ch,
+        stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, BLOCK_Q: tl.constexpr,
+        TREE: tl.constexpr):
     q_block, seq = tl.program_id(0), tl.program_id(1)
     kv_head, segment = tl.program_id(2) // NUM_SEGMENTS, tl.program_id(2) % NUM_SEGMENTS
-    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # queries per tile
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:  # the grid is sized for the longest query; this sequence is done
@@ -439,6 +452,9 @@ def _paged_attention_kernel(
     row_ok = (rows < BLOCK_Q * GROUP) & (j < q_len)
     q_pos = seq_len - q_len + j
     token = (q_start + j).to(tl.int64)
+    if TREE:  # one query per tile (BLOCK_Q = 1), so its path remaps the tile's keys (AttentionContext)
+        q_pos = tl.load(tree_pos_ptr + token, mask=row_ok, other=0)
+        remap_from = tl.load(tree_pos_ptr + q_start + q_block) - tree_width + 1
     dims = tl.arange(0, DIM_PAD)
     q_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
@@ -453,13 +469,17 @@ def _paged_attention_kernel(
     # visible to any of its rows). A segment can be empty, or invisible to some rows: those keep
     # m_i = -inf and l_i = 0 (guarded below and at the end: no NaN).
     kv_start = segment * segment_len
-    kv_end = tl.minimum(seq_len - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q),
-                        kv_start + segment_len)
+    kv_end = tl.minimum(tl.max(tl.where(row_ok, q_pos, -1)) + 1, kv_start + segment_len)
     for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-        kv_offs = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        phys = pos
+        if TREE:
+            on_path = pos_ok & (pos >= remap_from)
+            path = tl.load(tree_keys_ptr + (q_start + q_block) * tree_width + pos - remap_from, mask=on_path)
+            phys = tl.where(on_path, path, pos)
+        block = tl.load(block_tables_ptr + seq * stride_bt + phys // BLOCK_SIZE, mask=pos_ok, other=0)
+        kv_offs = block.to(tl.int64) * stride_cb + (phys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_ptrs = kv_offs[:, None] + dims[None, :]
         kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
@@ -491,7 +511,7 @@ KV_SEGMENT = 512  # keys per split-KV segment: fixed, so a sequence's split depe
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                           max_q_len, max_seq_len):
+                           max_q_len, max_seq_len, tree_pos=None, tree_keys=None):
     """Unified varlen paged attention: one kernel for prefill chunks, decode and verification.
 
     Grid (query blocks, sequences, kv heads x KV segments), sized from the host ints max_q_len and
@@ -503,6 +523,8 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     1) works. fp32 dots use "ieee". With several KV segments each program writes its segment's
     normalised output and log-sum-exp in fp32, and a softmax over the segments' lse merges them (a
     segment past a sequence's end has weight exactly 0, so a short sequence gets the unsplit bits).
+    With a tree, one query per tile (its rows alone in the same tile shape: the same bits), so a node's
+    path can remap the tile's key positions.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -512,7 +534,8 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
         return out
     group, block_n = num_heads // num_kv_heads, 64
     block_m = max(64, _pow2(group))  # per model, never per step: a query's tile shape is always the same
-    num_q_blocks = triton.cdiv(max_q_len, block_m // group)
+    block_q = 1 if tree_pos is not None else block_m // group
+    num_q_blocks = triton.cdiv(max_q_len, block_q)
     segments, segment_len = triton.cdiv(max_seq_len, KV_SEGMENT), KV_SEGMENT
     # Unsplit, the kernel writes the output directly (as segment 0 of a [1, T, Hq, D] view).
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -520,11 +543,14 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     lse = torch.empty(segments, num_tokens, num_heads, **f32)  # written only when split
     grid = (num_q_blocks, seq_lens.shape[0], num_kv_heads * segments)
     _launch(_paged_attention_kernel, grid, (
-        q, k_cache, v_cache, partial, lse, block_tables, seq_lens, query_start_loc, scale, segment_len,
+        q, k_cache, v_cache, partial, lse, block_tables, seq_lens, query_start_loc,
+        seq_lens if tree_pos is None else tree_pos, seq_lens if tree_keys is None else tree_keys,
+        0 if tree_keys is None else tree_keys.shape[1], scale, segment_len,
         q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0)), 4, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
-        DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SEGMENTS=segments)
+        DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SEGMENTS=segments, BLOCK_Q=block_q,
+        TREE=tree_pos is not None)
     if segments > 1:  # each segment's share of the total softmax mass is softmax(lse) over segments
         out.copy_((torch.softmax(lse, dim=0)[..., None] * partial).sum(0))
     return out

@@ -1,9 +1,10 @@
-# nanospec: the engine. SamplingParams and Sequence state, the proposers (n-gram, draft model, MLP
+# nanospec: the engine. SamplingParams and Sequence state, the proposers (n-gram, suffix, draft model, MLP
 # speculator), the scheduler (continuous batching, lookahead slots, preemption, dynamic speculation),
 # the lossless accept/commit step, the LLM API and the CLI. Every step is schedule -> propose ->
 # verify -> accept -> commit; plain decoding is the same step with K = 0. It must never emit a token
 # the target model would not have produced with the same sampling (greedy: exactly the same tokens).
 import argparse
+import heapq
 import itertools
 import json
 import math
@@ -118,10 +119,45 @@ class RequestOutput:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int                  # tokens of seq.token_ids fed this step (prefill chunk, or 1)
-    num_spec: int                    # lookahead slots reserved for drafts this step
+    num_spec: int                    # lookahead slots reserved for drafts this step: the node budget
     samples: bool                    # this step reaches the end of the sequence, so it emits tokens
+    max_depth: int = 0               # K: the longest draft path (a chain: num_spec)
     drafts: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # per draft: its parent draft, -1 = the last token
     draft_probs: torch.Tensor | None = None  # [len(drafts), V]; None = one-hot drafts (n-gram)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """The depth of each draft node (1: a child of the last token); parents come before children."""
+    depths = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_layout(batch, parents: list[list[int]]) -> tuple[torch.Tensor, dict[int, list[int]]]:
+    """The logical positions of a forward's tokens, and each draft node's root-to-node path in cache
+    positions, keyed by the node's index in the forward. Tokens fill consecutive cache positions from
+    their start; a node at depth d takes the root's position + d, where plain decoding puts it."""
+    positions, paths = [], {}
+    for (_, tokens, start), nodes in zip(batch, parents):
+        root = start + len(tokens) - len(nodes) - 1  # the last token before the drafts
+        positions += range(start, root + 1)
+        node_paths = []
+        for i, p in enumerate(nodes):
+            node_paths.append((node_paths[p] if p >= 0 else [root]) + [root + 1 + i])
+            paths[len(positions)] = node_paths[-1]
+            positions.append(root + len(node_paths[-1]) - 1)
+    return torch.tensor(positions), paths
+
+
+def tree_keys(positions: torch.Tensor, paths: dict[int, list[int]]) -> torch.Tensor:
+    """AttentionContext.tree_keys: [T, W] cache positions of each token's last W logical keys."""
+    width = max(map(len, paths.values()))
+    keys = positions[:, None] - width + 1 + torch.arange(width)  # a token off the tree reads its own
+    for t, path in paths.items():
+        keys[t, width - len(path):] = torch.tensor(path)
+    return keys
 
 
 REJECTION_CHUNK_BYTES = 2**28  # bounds the rejection sampler's probability tensors per call
@@ -195,26 +231,30 @@ def couples(seq: Sequence) -> bool:
     return seq.params.temperature == 0 or seq.params.seed is not None
 
 
-def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[int], list[int]]:
+def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
     """The token at each position is the target's own sample there: the argmax of the logits (greedy)
-    or argmax(p / E) with the position's noise E. A draft is accepted iff it equals that token; the
-    token after the last accepted draft is emitted (the recovered or the bonus token). An exact sample
-    from the target; one-hot drafts are accepted with probability p(d), as rejection sampling does."""
+    or argmax(p / E) with the position's noise E. A draft is accepted iff it equals that token: from the
+    last token down the tree, the child equal to the token its parent's row gives; the token after the
+    last accepted draft is emitted (the recovered or the bonus token). An exact sample from the target;
+    one-hot drafts are accepted with probability p(d), as rejection sampling does.
+    Returns the accepted path (draft indices) and the next token per sequence."""
     best = logits.max(-1).indices.tolist()  # the step's one host sync; max: 2x faster than bf16 argmax
-    num_accepted, next_tokens, row = [], [], 0
+    paths, next_tokens, row = [], [], 0
     for it in sampling:
-        def target_token(j: int) -> int:  # of row j: the token at position len(seq) + j
+        def target_token(node: int, depth: int) -> int:  # of node's row: the token at len(seq) + depth
             if it.seq.params.temperature == 0:
-                return best[row + j]
-            return sample_at(logits_to_probs(logits[row + j][None], [it.seq])[0], it.seq, len(it.seq) + j)
-        n, token = 0, target_token(0)
-        while n < len(it.drafts) and it.drafts[n] == token:  # each row's token is computed once
-            n += 1
-            token = target_token(n)
-        num_accepted.append(n)
+                return best[row + node + 1]
+            probs = logits_to_probs(logits[row + node + 1][None], [it.seq])[0]
+            return sample_at(probs, it.seq, len(it.seq) + depth)
+        path, token = [], target_token(-1, 0)
+        while (child := next((i for i, (d, p) in enumerate(zip(it.drafts, it.parents))
+                              if d == token and p == (path[-1] if path else -1)), None)) is not None:
+            path.append(child)
+            token = target_token(child, len(path))  # each row's token is computed once
+        paths.append(path)
         next_tokens.append(token)
         row += len(it.drafts) + 1
-    return num_accepted, next_tokens
+    return paths, next_tokens
 
 
 def accept_by_rejection(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -240,7 +280,7 @@ def accept_by_rejection(sampling: list[ScheduledSeq], logits: torch.Tensor) -> t
     noise = exp_noise([it.seq for it in sampling], vocab, device)
     num_drafts = torch.tensor([len(it.drafts) for it in sampling], device=device)
     num_accepted, next_tokens = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, noise)
-    return num_accepted.tolist(), next_tokens.tolist()
+    return [list(range(n)) for n in num_accepted.tolist()], next_tokens.tolist()  # chains: paths 0..n-1
 
 
 def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
@@ -282,7 +322,8 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
 
 
 # ---------------------------------------------------------------------------------------------
-# Proposers: each fills item.drafts (<= item.num_spec tokens) and item.draft_probs.
+# Proposers: each fills item.drafts (<= item.num_spec tokens) and item.draft_probs, or a draft tree
+# (item.drafts and item.parents, parents before children) of <= num_spec nodes and max_depth levels.
 # ---------------------------------------------------------------------------------------------
 class NgramProposer:
     """Prompt lookup: find the first occurrence of the longest suffix n-gram (n in [min_n, max_n])
@@ -295,17 +336,97 @@ class NgramProposer:
 
     def propose(self, engine, items: list[ScheduledSeq]):
         for item in items:
-            item.drafts = self.lookup(np.asarray(item.seq.token_ids), item.num_spec)
+            branches = item.num_spec if engine.grows_tree(item.seq) else 1
+            tokens = np.asarray(item.seq.token_ids)
+            item.drafts, item.parents = self.tree(tokens, item.num_spec, item.max_depth, branches)
 
-    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+    def tree(self, tokens: np.ndarray, budget: int, depth: int, branches: int) -> tuple[list[int], list[int]]:
+        """A chain (branches = 1): the first occurrence's continuation. A tree: those of every occurrence,
+        the most frequent first."""
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             # windows[i] = tokens[i : i+n] for every start whose n-gram ends before the suffix itself
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if len(hits):
-                start = hits[0] + n
-                return tokens[start:start + k].tolist()
-        return []
+                return draft_tree(continuations(tokens, hits[:1 if branches == 1 else None] + n - 1, depth),
+                                  budget, branches, 0.0)
+        return [], []
+
+
+def suffix_matches(hay: np.ndarray, context: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
+    """(m, ends): the longest m <= max_len for which context's last m tokens occur in hay with a token
+    after them, and where each occurrence ends. Vectorized: each longer match filters the shorter's hits."""
+    ends = np.flatnonzero(hay[:-1] == context[-1])
+    m = int(len(ends) > 0)
+    while len(ends) and m < min(max_len, len(context)):
+        ends_in = ends[ends >= m]
+        longer = ends_in[hay[ends_in - m] == context[-m - 1]]
+        if not len(longer):
+            break
+        ends, m = longer, m + 1
+    return m, ends
+
+
+def continuations(hay: np.ndarray, ends: np.ndarray, depth: int) -> np.ndarray:
+    """[len(ends), depth]: the tokens after each occurrence; -1 past the end or a request separator."""
+    at = ends[:, None] + 1 + np.arange(depth)
+    rows = np.where(at < len(hay), hay[np.minimum(at, len(hay) - 1)], -1)
+    rows[np.maximum.accumulate(rows < 0, axis=1)] = -1
+    return rows
+
+
+def draft_tree(rows: np.ndarray, budget: int, branches: int, min_prob: float) -> tuple[list[int], list[int]]:
+    """Grow a token tree (tokens, parent index per node, -1 = root) of <= budget nodes from continuation
+    rows [n, depth], best first by path probability: the share of rows that follow the path, each step
+    counted among the rows that followed its parent (rows that end there included). A node tries its
+    `branches` most frequent next tokens (ties: the earliest row); branches = 1 grows a chain."""
+    tokens, parents, frontier, serial = [], [], [], itertools.count()
+
+    def push_children(node: int, depth: int, members: np.ndarray, prob: float):
+        if depth == rows.shape[1]:
+            return
+        column = rows[members, depth]
+        values, first, counts = np.unique(column, return_index=True, return_counts=True)
+        best = [i for i in np.lexsort((first, -counts)) if values[i] >= 0][:branches]
+        for i in best:
+            p = prob * counts[i] / len(members)
+            if p >= min_prob:
+                follow = members[column == values[i]]
+                heapq.heappush(frontier, (-p, next(serial), node, depth, int(values[i]), follow))
+
+    push_children(-1, 0, np.arange(len(rows)), 1.0)
+    while frontier and len(tokens) < budget:
+        neg_prob, _, parent, depth, token, members = heapq.heappop(frontier)
+        tokens.append(token)
+        parents.append(parent)
+        push_children(len(tokens) - 1, depth + 1, members, -neg_prob)
+    return tokens, parents
+
+
+class SuffixProposer:
+    """SuffixDecoding (arXiv 2411.04975): match the longest suffix (<= max_match tokens) of the context in
+    this request's prompt + output and in those of the last max_requests finished requests (kept across
+    generate() calls); the continuations that followed the matches form a frequency-weighted trie, and its
+    most probable path is proposed while the path probability stays >= min_prob, at most max_spec_factor x
+    the match length. A plain numpy scan per step, no index: O(remembered tokens), no upkeep."""
+
+    def __init__(self, max_requests=256, max_match=24, max_spec_factor=1.0, min_prob=0.1):
+        self.finished = deque(maxlen=max_requests)  # the oldest request drops out first
+        self.corpus = np.zeros(0, dtype=np.int64)    # the finished requests, each followed by -1
+        self.max_match, self.max_spec_factor, self.min_prob = max_match, max_spec_factor, min_prob
+
+    def remember(self, token_ids: list[int]):
+        self.finished.append(np.append(token_ids, -1))
+        self.corpus = np.concatenate(self.finished)
+
+    propose = NgramProposer.propose  # the same loop, over this class's tree()
+
+    def tree(self, tokens: np.ndarray, budget: int, depth: int, branches: int) -> tuple[list[int], list[int]]:
+        found = [(hay, *suffix_matches(hay, tokens, self.max_match)) for hay in (self.corpus, tokens)]
+        m = max(length for _, length, _ in found)
+        depth = min(depth, int(self.max_spec_factor * m))
+        rows = [continuations(hay, ends, depth) for hay, length, ends in found if length == m > 0]
+        return draft_tree(np.concatenate(rows), budget, branches, self.min_prob) if rows else ([], [])
 
 
 class DraftModelProposer:
@@ -430,7 +551,8 @@ class LLMEngine:
     def __init__(self, model: str | None = None, dtype="auto", device="cpu", block_size=16,
                  num_blocks: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs=64,
                  max_num_batched_tokens=2048, max_model_len: int | None = None, draft: str | None = None,
-                 num_spec_tokens=None, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None):
+                 num_spec_tokens=None, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None,
+                 suffix_max_requests=256, spec_tree_nodes=0):
         if num_spec_tokens is None:  # a draft without a K: auto
             num_spec_tokens = 0 if draft in (None, "", "none") else "auto"
         k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
@@ -442,10 +564,12 @@ class LLMEngine:
             (num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
              f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}"),
             (not num_spec_tokens or draft not in (None, "", "none"),
-             "num_spec_tokens > 0 needs a draft: 'ngram', a model folder or 'mlp:PATH'"),
+             "num_spec_tokens > 0 needs a draft: 'ngram', 'suffix', a model folder or 'mlp:PATH'"),
             (max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one token "
                                                       f"plus {k} drafts, got {max_num_batched_tokens}"),
             (1 <= ngram_min <= ngram_max, f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}"),
+            (not spec_tree_nodes or draft in ("ngram", "suffix"),
+             f"spec_tree_nodes needs draft 'ngram' or 'suffix', got {draft!r}"),
         ]:
             if not ok:
                 raise ValueError(problem)
@@ -462,7 +586,8 @@ class LLMEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec_tokens = num_spec_tokens
         self.spec_disable_batch_size = spec_disable_batch_size
-        self.proposer = self.make_proposer(draft, ngram_min, ngram_max)
+        self.spec_tree_nodes = spec_tree_nodes
+        self.proposer = self.make_proposer(draft, ngram_min, ngram_max, suffix_max_requests)
         cache_models = [self.model] + ([self.proposer.model] if isinstance(self.proposer, DraftModelProposer) else [])
         # The context is the shortest any model can position: the target's, a draft model's, and a
         # sliding-window model's window (models/llama.py). Asking for more is an error, not a silent cap.
@@ -486,11 +611,13 @@ class LLMEngine:
             k_max = self.proposer.model.n_predict if isinstance(self.proposer, MLPProposer) else 8
             self.chooser = GoodputChooser(k_max, self.profile_verify(max_num_seqs * (k_max + 1)))
 
-    def make_proposer(self, draft, ngram_min, ngram_max):
+    def make_proposer(self, draft, ngram_min, ngram_max, suffix_max_requests):
         if draft in (None, "", "none"):
             return None
         if draft == "ngram":
             return NgramProposer(ngram_min, ngram_max)
+        if draft == "suffix":
+            return SuffixProposer(suffix_max_requests)
         if draft.startswith("mlp:"):
             from models.mlp_speculator import load_speculator
             speculator = load_speculator(draft[4:], self.dtype, self.device)
@@ -557,6 +684,10 @@ class LLMEngine:
             caps = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)])
         return {s.seq_id: k for s, k in zip(decoding, caps)}
 
+    def grows_tree(self, seq: Sequence) -> bool:
+        """Draft trees for coupled requests only: unseeded sampling's rejection sampler takes chains."""
+        return self.spec_tree_nodes > 0 and couples(seq)
+
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """Final-norm hidden states [T, H] of one token sequence, outside any request (borrows blocks)."""
@@ -602,16 +733,19 @@ class LLMEngine:
                 continue  # preempted earlier in this loop, or no token budget left
             num_tokens = min(len(seq) - seq.num_cached, budget)
             k = min(ks.get(seq.seq_id, 0), budget - num_tokens, self.max_model_len - len(seq))
-            while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + k):
-                if k > 0:
-                    k -= 1  # shrink the lookahead before preempting anyone
+            tree = k and self.grows_tree(seq)
+            nodes = min(max(k, self.spec_tree_nodes), budget - num_tokens) if tree else k  # the node budget
+            while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + nodes):
+                if nodes > 0:
+                    nodes -= 1  # shrink the lookahead before preempting anyone
                     continue
                 self.preempt(self.running[-1])
                 if seq not in self.running:
                     break
             if seq in self.running:
-                scheduled.append(ScheduledSeq(seq, num_tokens, k, seq.num_cached + num_tokens == len(seq)))
-                budget -= num_tokens + k
+                samples = seq.num_cached + num_tokens == len(seq)
+                scheduled.append(ScheduledSeq(seq, num_tokens, nodes, samples, min(k, nodes)))
+                budget -= num_tokens + nodes
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_tokens = min(len(seq), budget)
@@ -623,21 +757,27 @@ class LLMEngine:
         return scheduled
 
     # -- one forward over a varlen batch --------------------------------------------------------
-    def forward(self, model, batch: list[tuple[Sequence, list[int], int]]):
-        """batch: (seq, tokens, start position). Returns hidden [T, H] and host query_start_loc [B+1]."""
+    def forward(self, model, batch: list[tuple[Sequence, list[int], int]], parents=None):
+        """batch: (seq, tokens, start position); parents[b]: the parent of each of batch b's last tokens
+        when they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H] and host query_start_loc
+        [B+1]."""
         q_lens = [len(tokens) for _, tokens, _ in batch]
         seq_lens = [start + len(tokens) for _, tokens, start in batch]
         input_ids = torch.tensor([t for _, tokens, _ in batch for t in tokens])
-        positions = torch.cat([torch.arange(start, start + len(tokens)) for _, tokens, start in batch])
+        slots = torch.cat([torch.arange(start, start + len(tokens)) for _, tokens, start in batch])  # cache
+        positions, paths = tree_layout(batch, parents or [[]] * len(batch))
         width = max(len(seq.block_table) for seq, _, _ in batch)
         block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s, _, _ in batch])
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(q_lens))
-        slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
-                        + positions % self.block_size)
+        slot_mapping = (block_tables[seq_of_token, slots // self.block_size] * self.block_size
+                        + slots % self.block_size)
         query_start_loc = torch.tensor([0] + list(itertools.accumulate(q_lens)))
         dev = self.device
-        set_context(AttentionContext(slot_mapping.to(dev), block_tables.to(dev), torch.tensor(seq_lens, device=dev),
-                                     query_start_loc.to(dev), max(q_lens), max(seq_lens)))
+        ctx = AttentionContext(slot_mapping.to(dev), block_tables.to(dev), torch.tensor(seq_lens, device=dev),
+                               query_start_loc.to(dev), max(q_lens), max(seq_lens))
+        if not torch.equal(positions, slots):  # a tree: some node's logical position is not its slot
+            ctx.tree_pos, ctx.tree_keys = positions.to(dev), tree_keys(positions, paths).to(dev)
+        set_context(ctx)
         try:
             hidden = model(input_ids.to(dev), positions.to(dev))
         finally:
@@ -668,14 +808,16 @@ class LLMEngine:
             self.proposer.propose(self, speculating)
         drafted = time.perf_counter()
         self.stats["steps"] += 1
-        self.k_histogram[max((item.num_spec for item in scheduled), default=0)] += 1
+        self.k_histogram[max((item.max_depth for item in scheduled), default=0)] += 1
         # Verify: one target forward over every sequence's new tokens plus its drafts.
+        for it in scheduled:  # a proposer that fills no parents proposed a chain
+            it.parents = it.parents or list(range(-1, len(it.drafts) - 1))
         batch = [(it.seq, it.seq.token_ids[it.seq.num_cached:it.seq.num_cached + it.num_tokens] + it.drafts,
                   it.seq.num_cached) for it in scheduled]
-        hidden, query_start = self.forward(self.model, batch)
+        hidden, query_start = self.forward(self.model, batch, [it.parents for it in scheduled])
         if self.chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
             self.synchronize()
-            now, k = time.perf_counter(), max(it.num_spec for it in scheduled)
+            now, k = time.perf_counter(), max(it.max_depth for it in scheduled)
             self.chooser.observe_time(self.chooser.verify_time, int(query_start[-1]), now - drafted)
             if speculating:
                 self.chooser.observe_time(self.chooser.draft_time, len(speculating), (drafted - start) / k)
@@ -690,16 +832,18 @@ class LLMEngine:
         logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
         finished = []
         row = 0
-        for it, (n, token) in zip(sampling, self.accept(sampling, logits)):
-            self.commit(it, n, token, hidden[rows[row + n]], logits[row:row + n + 1])
+        for it, (path, token) in zip(sampling, self.accept(sampling, logits)):
+            own = [row] + [row + 1 + node for node in path]  # the rows that produced the new tokens
+            self.commit(it, path, token, hidden[rows[own[-1]]], logits[own])
             row += len(it.drafts) + 1
             if it.seq.finish_reason is not None:
                 finished.append(it.seq)
         return finished
 
-    def accept(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[int, int]]:
-        """(num_accepted, next_token) per sequence: coupled acceptance for greedy and seeded requests,
-        the rejection sampler for the others, in chunks that bound its [rows, K+1, V] fp32 tensors."""
+    def accept(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+        """(accepted path of draft indices, next_token) per sequence: coupled acceptance for greedy and
+        seeded requests, the rejection sampler for the others, in chunks that bound its [rows, K+1, V] fp32
+        tensors."""
         starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
         coupled = [i for i, it in enumerate(sampling) if couples(it.seq)]
         others = [i for i, it in enumerate(sampling) if not couples(it.seq)]
@@ -715,24 +859,28 @@ class LLMEngine:
         return [results[i] for i in range(len(sampling))]
 
     # -- commit -----------------------------------------------------------------------------
-    def commit(self, it: ScheduledSeq, num_accepted: int, token: int, hidden_row: torch.Tensor,
+    def commit(self, it: ScheduledSeq, path: list[int], token: int, hidden_row: torch.Tensor,
                logits: torch.Tensor):
-        """logits: the rows that produced the accepted drafts and the next token, one per token."""
-        seq, k = it.seq, len(it.drafts)
+        """path: the accepted drafts (indices, root to leaf); logits: the rows that produced them and the
+        next token, one per token."""
+        seq, depth = it.seq, max(tree_depths(it.parents), default=0)
+        if path != list(range(len(path))):  # off the first branch: move the path's K/V to its positions
+            self.move_kv(seq, [len(seq) + node for node in path], range(len(seq), len(seq) + len(path)))
+            self.stats["kv_moves"] += 1
         # The last token and the accepted drafts now have valid K/V; rejected slots get overwritten later.
-        seq.num_cached = len(seq) + num_accepted
+        seq.num_cached = len(seq) + len(path)
         seq.num_draft_cached = min(seq.num_draft_cached, seq.num_cached)
         seq.last_hidden = hidden_row
         if it.num_spec:
-            seq.reached_per_position.update(range(min(num_accepted + 1, k)))
+            seq.reached_per_position.update(range(min(len(path) + 1, depth)))
             seq.num_spec_steps += 1
-            seq.num_drafted += k
-            seq.num_accepted += num_accepted
-            seq.drafted_per_position.update(range(k))
-            seq.accepted_per_position.update(range(num_accepted))
+            seq.num_drafted += len(it.drafts)  # nodes verified
+            seq.num_accepted += len(path)
+            seq.drafted_per_position.update(range(depth))  # per depth
+            seq.accepted_per_position.update(range(len(path)))
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        for t, row in zip(it.drafts[:num_accepted] + [token], logits):
+        for t, row in zip([it.drafts[node] for node in path] + [token], logits):
             seq.token_ids.append(t)
             if seq.logprobs is not None:
                 seq.logprobs.append(token_logprobs(row, t, seq.params.logprobs))
@@ -742,6 +890,13 @@ class LLMEngine:
             self.blocks.trim(seq, len(seq))  # give back lookahead blocks that rejected drafts used
         else:
             self.finish(seq)
+
+    def move_kv(self, seq: Sequence, sources, destinations):
+        """Copy K/V between positions of seq in every cache ([2, layers, blocks, block_size, heads, dim])."""
+        src, dst = ([self.blocks.slot(seq, p) for p in positions] for positions in (sources, destinations))
+        for cache in self.kv_caches:
+            by_slot = cache.flatten(2, 3)
+            by_slot[:, :, dst] = by_slot[:, :, src]
 
     def check_stop(self, seq: Sequence) -> bool:
         p, last = seq.params, seq.token_ids[-1]
@@ -762,6 +917,8 @@ class LLMEngine:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.finish_time = time.perf_counter()
+        if isinstance(self.proposer, SuffixProposer):  # finished requests feed later ones' proposals
+            self.proposer.remember(seq.token_ids)
         if seq.text is None and self.tokenizer is not None:
             seq.text = self.tokenizer.decode(seq.output_ids)
 
@@ -825,10 +982,12 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int)
-    p.add_argument("--draft", help="'ngram', a draft model folder, or 'mlp:PATH' (an MLP speculator)")
+    p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder or 'mlp:PATH' (MLP speculator)")
     p.add_argument("--num-spec-tokens", help="K drafts per step, or 'auto' (the default with --draft)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--spec-tree-nodes", type=int, default=0,
+                   help="verify a draft tree of up to N nodes per step (ngram, suffix); 0: a chain")
     p.add_argument("--spec-disable-batch-size", type=int,
                    help="run without speculation while more than this many sequences are running")
     p.add_argument("--logprobs", type=int, help="log-probabilities of each token and the N most likely (--json)")
@@ -868,7 +1027,8 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
         rows += [("drafted tokens", drafted), ("accepted tokens", accepted),
                  ("acceptance rate", f"{accepted / max(drafted, 1):.2%}"),
                  ("mean accepted length", f"{1 + accepted / max(spec_steps, 1):.2f}"),
-                 ("acceptance per position", " ".join(f"{a:.2f}" for a in per_position)),
+                 ("nodes verified per step", f"{drafted / max(spec_steps, 1):.2f}"),
+                 ("acceptance per depth", " ".join(f"{a:.2f}" for a in per_position)),
                  ("K per step (K: steps)", " ".join(f"{k}:{n}" for k, n in sorted(llm.k_histogram.items())))]
     for name, value in rows:
         table.add_row(name, str(value))
@@ -898,7 +1058,7 @@ def main(argv=None) -> int:
                   num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   draft=args.draft, num_spec_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                  spec_disable_batch_size=args.spec_disable_batch_size)
+                  spec_disable_batch_size=args.spec_disable_batch_size, spec_tree_nodes=args.spec_tree_nodes)
         prompts = read_prompts(args)
         if args.chat:
             if llm.tokenizer is None:

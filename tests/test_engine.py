@@ -80,12 +80,13 @@ def test_speculation_keeps_greedy_output(proposer, k, target, drafts, plain_outp
 def test_ngram_lookup_takes_longest_suffix_first_occurrence():
     proposer = NgramProposer(1, 3)
     # The suffix "4 2" occurs at 0 and at 4: the first occurrence's continuation is proposed, up to k.
-    assert proposer.lookup(np.array([4, 2, 9, 9, 4, 2, 7, 4, 2]), 3) == [9, 9, 4]
+    lookup = lambda tokens, k: proposer.tree(np.array(tokens), k, k, 1)[0]  # noqa: E731  (a chain)
+    assert lookup([4, 2, 9, 9, 4, 2, 7, 4, 2], 3) == [9, 9, 4]
     # A longer match wins over an earlier shorter one: "8 4 2" only at 3 (plain "4 2" first at 0).
-    assert proposer.lookup(np.array([4, 2, 5, 8, 4, 2, 6, 8, 4, 2]), 2) == [6, 8]
+    assert lookup([4, 2, 5, 8, 4, 2, 6, 8, 4, 2], 2) == [6, 8]
     # The proposal stops where the text ends; no match at all proposes nothing.
-    assert proposer.lookup(np.array([3, 4, 9, 3, 4]), 5) == [9, 3, 4]
-    assert proposer.lookup(np.array([1, 2, 3]), 4) == []
+    assert lookup([3, 4, 9, 3, 4], 5) == [9, 3, 4]
+    assert lookup([1, 2, 3], 4) == []
 
 
 def test_mixed_per_request_k(target, drafts, plain_outputs):

@@ -66,3 +66,16 @@ def test_seeded_sampling_and_logprobs_equal_plain(plain):
     outs = spec.generate(plain["prompts"][:2], LOGPROBS, use_progress=False)
     assert [o.logprobs for o in outs] == plain["logprobs"]
     assert all(len(step) >= 2 for o in outs for step in o.logprobs)  # the sampled token and the top 2
+
+
+@pytest.mark.parametrize("plain", ["float32"], indirect=True)
+def test_suffix_and_ngram_trees_equal_plain(plain):
+    """Suffix chain and tree, n-gram tree: greedy tokens equal plain decoding's, with paths accepted off
+    the first branch (their K/V moved), and the suffix memory of a first round used by a second."""
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)  # greedy: a prefix of GREEDY's
+    for draft, nodes in (("suffix", 0), ("suffix", 8), ("ngram", 8)):
+        spec = LLM(dtype="float32", draft=draft, num_spec_tokens=4, spec_tree_nodes=nodes)
+        for _ in range(1 + (draft == "suffix")):
+            outs = spec.generate(plain["prompts"][:4], params, use_progress=False)
+            assert [o.token_ids for o in outs] == [tokens[:96] for tokens in plain["greedy"][:4]]
+        assert (spec.stats["kv_moves"] > 0) == (nodes > 0)

@@ -152,3 +152,70 @@ def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
     assert_rows_invariant(lambda rows: ops["rotary"](rows.view(-1, 6, 16), cos_sin[:len(rows)]), x, counts)
     if ops["silu_mul"] is not None:
         assert_rows_invariant(ops["silu_mul"], x, counts)
+
+
+# Tree verification: a draft node's query sees the cache and its ancestors, and must give the bits plain
+# decoding of its path gives. Sequence 0: 30 cached positions, its last token at 30 and a 6-node tree in
+# positions 31..36; sequence 1 beside it is an ordinary 3-query chunk.
+TREE_PARENTS = [-1, 0, 0, -1, 2, 4]  # depths 1, 2, 2, 1, 3, 4
+
+
+def tree_step(block_size, dtype):
+    from nanospec import tree_keys, tree_layout
+    torch.manual_seed(3)
+    q, k_cache, v_cache, block_tables, *_ = make_paged_batch([(37, 7), (12, 3)], block_size, 6, 2, 16, dtype)
+    seq_lens, starts = torch.tensor([37, 12]), torch.tensor([0, 7, 10])
+    positions, paths = tree_layout([(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []])
+    tree = positions, tree_keys(positions, paths)
+    return (q, k_cache, v_cache, block_tables, seq_lens, starts, 0.25, 7, 37), tree, paths
+
+
+def chain_reference(fn, args, paths):
+    """Each tree query decoded alone, its path's K/V copied into the positions after the root; then the
+    ordinary sequence alone."""
+    q, k_cache, v_cache, block_tables, *_ = args
+    block_size, rows = k_cache.shape[1], {}
+    for t, path in paths.items():
+        k, v = k_cache.clone(), v_cache.clone()
+        slot = lambda p: int(block_tables[0, p // block_size]) * block_size + p % block_size  # noqa: E731
+        for depth, p in enumerate(path):
+            for chain, cache in ((k, k_cache), (v, v_cache)):
+                chain.flatten(0, 1)[slot(30 + depth)] = cache.flatten(0, 1)[slot(p)]
+        rows[t] = alone(fn, q[t:t + 1], k, v, block_tables[:1], 30 + len(path))[0]
+    rows[0] = alone(fn, q[:1], k_cache, v_cache, block_tables[:1], 31)[0]
+    return rows, alone(fn, q[7:], k_cache, v_cache, block_tables[1:], 12)
+
+
+def alone(fn, q, k_cache, v_cache, block_table, context):
+    """One sequence's len(q) last queries, an ordinary step."""
+    seq_lens, starts = torch.tensor([context]), torch.tensor([0, len(q)])
+    return fn(q, k_cache, v_cache, block_table, seq_lens, starts, 0.25, len(q), context)
+
+
+def check_tree_attention(fn, dtype, block_size):
+    args, tree, paths = tree_step(block_size, dtype)
+    out = fn(*args, *tree)
+    rows, ordinary = chain_reference(fn, args, paths)
+    for t, row in rows.items():
+        assert torch.equal(out[t], row), f"tree query {t} differs from its path decoded as a chain"
+    assert torch.equal(out[7:], ordinary), "an ordinary query beside a tree changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_c_tree_attention_equals_chain(c_isa, dtype, block_size):
+    check_tree_attention(kernels.c_paged_attention, dtype, block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_tree_attention_equals_chain(dtype):
+    check_tree_attention(kernels.torch_paged_attention, dtype, 4)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_triton_tree_attention_matches_torch(block_size):
+    args, tree, _ = tree_step(block_size, torch.float32)
+    want = kernels.torch_paged_attention(*args, *tree)
+    torch.testing.assert_close(kernels.triton_paged_attention(*args, *tree), want, atol=1e-5, rtol=1e-5)
+    if torch.cuda.is_available():  # GPU mma rows are row-invariant: the C and torch tests' bitwise check
+        check_tree_attention(kernels.triton_paged_attention, torch.float32, block_size)

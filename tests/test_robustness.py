@@ -103,11 +103,11 @@ def test_a_failing_step_leaves_the_engine_clean(target, plain):
     llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, draft="ngram", num_spec_tokens=3)
     real_forward, calls = llm.forward, []
 
-    def failing_forward(model, batch):
+    def failing_forward(model, batch, *tree):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device lost")
-        return real_forward(model, batch)
+        return real_forward(model, batch, *tree)
 
     llm.forward = failing_forward
     with pytest.raises(RuntimeError, match="device lost"):
@@ -193,10 +193,10 @@ def test_draft_catch_up_stays_within_the_token_budget(target, plain):
               draft=target, num_spec_tokens=3)
     forward, draft_sizes = llm.forward, []
 
-    def spy(model, batch):
+    def spy(model, batch, *tree):
         if model is llm.proposer.model:
             draft_sizes.append(sum(len(tokens) for _, tokens, _ in batch))
-        return forward(model, batch)
+        return forward(model, batch, *tree)
     llm.forward = spy
     long_prompts = [list(range(3, 40)), list(range(50, 75))]  # 37 and 25 tokens: more than the budget
     outs = llm.generate(long_prompts, GREEDY, use_progress=False)

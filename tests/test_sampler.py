@@ -134,7 +134,9 @@ def simulate_coupled(target, draft, k, num_chains, one_hot_draft, seed, accept=a
                 item.drafts = draft[pos:pos + k].argmax(-1).tolist()
             for i in range(0 if one_hot_draft else k):
                 LLMEngine.append_drafts(None, [item], draft[pos + i].log()[None])
-            [n], [token] = accept([item], target[pos:pos + k + 1])
+            item.parents = list(range(-1, len(item.drafts) - 1))  # a chain
+            [path], [token] = accept([item], target[pos:pos + k + 1])
+            n = len(path)
             seq.token_ids += item.drafts[:n] + [token]
             counts += torch.tensor([k, n])
         out.append(seq.output_ids[:LENGTH])
@@ -171,9 +173,8 @@ def test_broken_coupling_is_detected(monkeypatch):
     exact, n = joint_exact(target), 20_000
 
     def draft_on_rejection(items, logits):
-        num_accepted, tokens = accept_coupled(items, logits)
-        return num_accepted, [it.drafts[a] if a < len(it.drafts) else t
-                              for it, a, t in zip(items, num_accepted, tokens)]
+        paths, tokens = accept_coupled(items, logits)
+        return paths, [it.drafts[len(a)] if len(a) < len(it.drafts) else t for it, a, t in zip(items, paths, tokens)]
 
     broken = simulate_coupled(target, draft, 2, n, False, 0, accept=draft_on_rejection)[0]
     with monkeypatch.context() as patch:
@@ -195,10 +196,11 @@ def test_greedy_reduces_to_argmax_matching():
     # The engine's greedy shortcut gives the same answers, for a batch whose rows have different K.
     cases = (([1, 0], (2, 2)), ([1, 2], (1, 0)), ([0, 0], (0, 1)), ([1], (1, 0)), ([], (0, 1)))
     greedy_seq = Sequence([1], SamplingParams(temperature=0), "cpu")
-    items = [SimpleNamespace(drafts=drafts, seq=greedy_seq) for drafts, _ in cases]
+    items = [SimpleNamespace(drafts=drafts, parents=list(range(-1, len(drafts) - 1)), seq=greedy_seq)
+             for drafts, _ in cases]
     logits = torch.cat([p[0, :len(drafts) + 1].log() for drafts, _ in cases])
-    num_accepted, next_tokens = accept_coupled(items, logits)
-    assert list(zip(num_accepted, next_tokens)) == [expected for _, expected in cases]
+    paths, next_tokens = accept_coupled(items, logits)
+    assert [(len(path), token) for path, token in zip(paths, next_tokens)] == [expected for _, expected in cases]
 
 
 def test_top_k_top_p_and_temperature_masks():
