@@ -194,7 +194,8 @@ def top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(logits.shape, device=logits.device).scatter_(-1, logits.max(-1, keepdim=True).indices, 1.0)
+    best = logits.max(-1, keepdim=True).indices
+    return torch.zeros(logits.shape, device=logits.device).scatter_(-1, best, 1.0)
 
 
 def exp_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor:
@@ -279,7 +280,8 @@ def accept_by_rejection(sampling: list[ScheduledSeq], logits: torch.Tensor) -> t
             uniform[b, :k] = torch.rand(k, generator=it.seq.generator, device=device)
     noise = exp_noise([it.seq for it in sampling], vocab, device)
     num_drafts = torch.tensor([len(it.drafts) for it in sampling], device=device)
-    num_accepted, next_tokens = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, noise)
+    num_accepted, next_tokens = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform,
+                                                 noise)
     return [list(range(n)) for n in num_accepted.tolist()], next_tokens.tolist()  # chains: paths 0..n-1
 
 
@@ -299,7 +301,8 @@ def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, unifor
         return torch.zeros_like(num_drafts), (target_probs[:, 0] / exp_noise).argmax(-1)
     p_draft = target_probs[:, :max_k].gather(2, draft_tokens[..., None]).squeeze(-1)
     q_draft = 1.0 if draft_probs is None else draft_probs.gather(2, draft_tokens[..., None]).squeeze(-1)
-    accepted = (uniform * q_draft < p_draft) & (torch.arange(max_k, device=batch.device) < num_drafts[:, None])
+    drafted = torch.arange(max_k, device=batch.device) < num_drafts[:, None]
+    accepted = (uniform * q_draft < p_draft) & drafted
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
     p_next = target_probs[batch, num_accepted]
     at = num_accepted.clamp(max=max_k - 1)  # the rejected position (clamped when all were accepted)
@@ -451,7 +454,6 @@ class DraftModelProposer:
             logits = self.model.lm_head(hidden[query_start[1:] - 1])
             engine.append_drafts(items, logits)
 
-
     def catch_up(self, engine, seqs: list[Sequence]):
         """While the tokens the draft lacks exceed the step's token budget, feed them (all but each
         sequence's last) in forwards within the budget, as the target's prefill is chunked."""
@@ -459,9 +461,10 @@ class DraftModelProposer:
         while sum(len(s) - s.num_draft_cached for s in seqs) > budget:
             chunk = []
             for s in seqs:
-                n = min(len(s) - s.num_draft_cached - 1, budget - sum(len(t) for _, t, _ in chunk))
+                start = s.num_draft_cached
+                n = min(len(s) - start - 1, budget - sum(len(t) for _, t, _ in chunk))
                 if n > 0:
-                    chunk.append((s, s.token_ids[s.num_draft_cached:s.num_draft_cached + n], s.num_draft_cached))
+                    chunk.append((s, s.token_ids[start:start + n], start))
             engine.forward(self.model, chunk)
             for s, tokens, start in chunk:
                 s.num_draft_cached = start + len(tokens)
@@ -517,7 +520,8 @@ class GoodputChooser:
     def choose(self, acceptances: list[list[float]]) -> list[int]:
         """K per sequence, from each one's a_i (as many as its K may reach): take drafts from the most to
         the least valuable, and keep the prefix of that order with the highest goodput."""
-        drafts = sorted((-math.prod(a[:j + 1]), j, i) for i, a in enumerate(acceptances) for j in range(len(a)))
+        drafts = sorted((-math.prod(a[:j + 1]), j, i) 
+                        for i, a in enumerate(acceptances) for j in range(len(a)))
         ks, num_tokens, max_k, drafting = [0] * len(acceptances), len(acceptances), 0, 0
         expected = float(num_tokens)
         best, best_ks = expected / self.step_time(num_tokens, 0, 0), list(ks)
@@ -531,7 +535,8 @@ class GoodputChooser:
         return best_ks
 
     def step_time(self, num_tokens: int, max_k: int, drafting: int) -> float:
-        return interpolate(self.verify_time, num_tokens) + max_k * interpolate(self.draft_time, max(drafting, 1))
+        draft_step = interpolate(self.draft_time, max(drafting, 1))
+        return interpolate(self.verify_time, num_tokens) + max_k * draft_step
 
     def observe_time(self, table: dict[int, float], size: int, seconds: float):
         table[size] = seconds if size not in table else table[size] + self.ema * (seconds - table[size])
@@ -588,7 +593,8 @@ class LLMEngine:
         self.spec_disable_batch_size = spec_disable_batch_size
         self.spec_tree_nodes = spec_tree_nodes
         self.proposer = self.make_proposer(draft, ngram_min, ngram_max, suffix_max_requests)
-        cache_models = [self.model] + ([self.proposer.model] if isinstance(self.proposer, DraftModelProposer) else [])
+        has_draft_model = isinstance(self.proposer, DraftModelProposer)
+        cache_models = [self.model] + ([self.proposer.model] if has_draft_model else [])
         # The context is the shortest any model can position: the target's, a draft model's, and a
         # sliding-window model's window (models/llama.py). Asking for more is an error, not a silent cap.
         limit = min(m.max_position_embeddings for m in cache_models)
@@ -600,7 +606,8 @@ class LLMEngine:
             num_blocks = int(kv_cache_gib * 2**30) // bytes_per_block(cache_models, block_size, self.dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_gib {kv_cache_gib} is too small for one KV block")
-        self.kv_caches = [allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device) for m in cache_models]
+        self.kv_caches = [allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device)
+                          for m in cache_models]
         self.blocks = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -621,9 +628,11 @@ class LLMEngine:
         if draft.startswith("mlp:"):
             from models.mlp_speculator import load_speculator
             speculator = load_speculator(draft[4:], self.dtype, self.device)
-            if (speculator.emb_dim, speculator.vocab_size) != (self.model.hidden_size, self.model.vocab_size):
-                raise ValueError(f"{draft}: speculator (emb_dim {speculator.emb_dim}, vocab {speculator.vocab_size}) "
-                                 f"does not fit the target (hidden {self.model.hidden_size}, vocab {self.model.vocab_size})")
+            shape, target = (speculator.emb_dim, speculator.vocab_size), (self.model.hidden_size,
+                                                                          self.model.vocab_size)
+            if shape != target:
+                raise ValueError(f"{draft}: speculator (emb_dim, vocab) {shape} does not fit the target's "
+                                 f"(hidden, vocab) {target}")
             if self.num_spec_tokens != "auto" and self.num_spec_tokens > speculator.n_predict:
                 raise ValueError(f"num_spec_tokens {self.num_spec_tokens} exceeds the speculator's n_predict "
                                  f"{speculator.n_predict}")
@@ -767,7 +776,8 @@ class LLMEngine:
         slots = torch.cat([torch.arange(start, start + len(tokens)) for _, tokens, start in batch])  # cache
         positions, paths = tree_layout(batch, parents or [[]] * len(batch))
         width = max(len(seq.block_table) for seq, _, _ in batch)
-        block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s, _, _ in batch])
+        block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table))
+                                     for s, _, _ in batch])
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(q_lens))
         slot_mapping = (block_tables[seq_of_token, slots // self.block_size] * self.block_size
                         + slots % self.block_size)
@@ -847,8 +857,8 @@ class LLMEngine:
         starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
         coupled = [i for i, it in enumerate(sampling) if couples(it.seq)]
         others = [i for i, it in enumerate(sampling) if not couples(it.seq)]
-        per_chunk = max(1, REJECTION_CHUNK_BYTES // (8 * logits.shape[-1] * max(starts[i + 1] - starts[i]
-                                                                                 for i in range(len(sampling)))))
+        rows_per_seq = max(len(it.drafts) + 1 for it in sampling)
+        per_chunk = max(1, REJECTION_CHUNK_BYTES // (8 * logits.shape[-1] * rows_per_seq))
         groups = [(coupled, accept_coupled)] + [(others[i:i + per_chunk], accept_by_rejection)
                                                  for i in range(0, len(others), per_chunk)]
         results = {}
@@ -909,7 +919,8 @@ class LLMEngine:
             hits = [i for i in (seq.stop_text.find(s, search_from) for s in p.stop) if i >= 0]
             if hits:
                 seq.finish_reason, seq.text = "stop", seq.stop_text[:min(hits)]
-        if seq.finish_reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len):
+        at_limit = len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len
+        if seq.finish_reason is None and at_limit:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
@@ -928,7 +939,7 @@ class LLMEngine:
         return RequestOutput(
             seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, seq.text, seq.finish_reason,
             seq.num_drafted, seq.num_accepted, seq.num_spec_steps, seq.logprobs,
-            {i: seq.accepted_per_position[i] / seq.drafted_per_position[i] for i in sorted(seq.drafted_per_position)},
+            {i: seq.accepted_per_position[i] / n for i, n in sorted(seq.drafted_per_position.items())},
             dict(seq.drafted_per_position),
             ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(n - 1, 1),
             latency=seq.finish_time - seq.arrival_time)
@@ -990,7 +1001,7 @@ def parse_args(argv=None):
                    help="verify a draft tree of up to N nodes per step (ngram, suffix); 0: a chain")
     p.add_argument("--spec-disable-batch-size", type=int,
                    help="run without speculation while more than this many sequences are running")
-    p.add_argument("--logprobs", type=int, help="log-probabilities of each token and the N most likely (--json)")
+    p.add_argument("--logprobs", type=int, help="log-probs of each token and the N most likely, in --json")
     p.add_argument("--json", help="write one JSON object per request to this file")
     return p.parse_args(argv)
 
@@ -1019,7 +1030,7 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
             ("output tok/s", f"{num_tokens / elapsed:.1f}"),
             ("TTFT median (ms)", f"{1000 * median([o.ttft for o in outputs]):.1f}"),
             ("TPOT median (ms)", f"{1000 * median([o.tpot for o in outputs]):.1f}"),
-            ("dtype, kernels", f"{str(llm.dtype).removeprefix('torch.')}, {kernels.kernels_summary(llm.device)}")]
+            ("dtype, kernels", f"{str(llm.dtype)[6:]}, {kernels.kernels_summary(llm.device)}")]
     drafted, accepted = sum(o.num_draft_tokens for o in outputs), sum(o.num_accepted_tokens for o in outputs)
     spec_steps = sum(o.num_spec_steps for o in outputs)
     if llm.proposer is not None:
