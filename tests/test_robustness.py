@@ -214,3 +214,28 @@ def test_cli_draft_without_k_means_auto_and_names_dtype_and_kernels(target, monk
     assert main(args) == 0 and len(choosers) == 1
     out = capsys.readouterr().out
     assert "dtype, kernels" in out and "float32" in out
+
+
+def test_exponential_noise_is_clamped_away_from_zero(monkeypatch):
+    """Item 8: a device that returns exact zeros from exponential_ must not let 0 / 0 = NaN win the race
+    (torch.argmax takes NaN as the maximum): the token drawn always has probability > 0."""
+    import nanospec
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, **kwargs: self.zero_())
+    probs = torch.tensor([0.0, 0.0, 0.7, 0.3])
+    seq = nanospec.Sequence([1], SamplingParams(temperature=1.0, seed=3), "cpu")
+    assert nanospec.sample_at(probs, seq, 5) == 2
+    assert bool((nanospec.exp_noise([seq], 4, "cpu") > 0).all())
+
+
+def test_c_attention_over_a_long_context():
+    """Item 11: the C kernel keeps no stack arrays sized by the context (it overflowed near 50k tokens)."""
+    import kernels
+    if kernels.cpu_kernels() is None:
+        pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
+    context, block_size, num_kv_heads, group, head_dim = 70_000, 16, 1, 4, 64
+    k_cache = torch.randn(context // block_size, block_size, num_kv_heads, head_dim)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(2, num_kv_heads * group, head_dim)
+    args = (q, k_cache, v_cache, torch.arange(context // block_size)[None], torch.tensor([context]),
+            torch.tensor([0, 2]), head_dim ** -0.5)
+    assert torch.allclose(kernels.c_paged_attention(*args), kernels.torch_paged_attention(*args), atol=1e-5)
