@@ -128,7 +128,7 @@ def test_greedy_reduces_to_argmax_matching():
              for drafts, _ in cases]
     logits = torch.cat([p[0, :len(drafts) + 1].log() for drafts, _ in cases])
     paths, next_tokens = accept_coupled(items, logits)
-    assert [(len(path), token) for path, token in zip(paths, next_tokens)] == [expected for _, expected in cases]
+    assert [(len(path), token) for path, token in zip(paths, next_tokens)] == [want for _, want in cases]
     assert all(path == list(range(len(path))) for path in paths)
 
 
