@@ -103,11 +103,11 @@ def test_a_failing_step_leaves_the_engine_clean(target, plain):
     llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, draft="ngram", num_spec_tokens=3)
     real_forward, calls = llm.forward, []
 
-    def failing_forward(model, batch, *tree):
+    def failing_forward(model, batch, *parents):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("device lost")
-        return real_forward(model, batch, *tree)
+        return real_forward(model, batch, *parents)
 
     llm.forward = failing_forward
     with pytest.raises(RuntimeError, match="device lost"):

@@ -200,7 +200,17 @@ def test_greedy_reduces_to_argmax_matching():
              for drafts, _ in cases]
     logits = torch.cat([p[0, :len(drafts) + 1].log() for drafts, _ in cases])
     paths, next_tokens = accept_coupled(items, logits)
-    assert [(len(path), token) for path, token in zip(paths, next_tokens)] == [expected for _, expected in cases]
+    assert [(len(path), token) for path, token in zip(paths, next_tokens)] == [want for _, want in cases]
+    assert all(path == list(range(len(path))) for path in paths)
+
+
+def test_coupled_acceptance_walks_the_tree():
+    """Drafts 0, 1 under the last token, 2 under 1, 0 under 2; rows (last token, then one per draft)
+    whose argmax is 1, -, 2, 1: the walk takes 1 (not 0, the first child), then 2, then stops at 0."""
+    greedy_seq = Sequence([1], SamplingParams(temperature=0), "cpu")
+    tree = SimpleNamespace(drafts=[0, 1, 2, 0], parents=[-1, -1, 1, 2], seq=greedy_seq)
+    logits = torch.nn.functional.one_hot(torch.tensor([1, 0, 2, 1, 0]), 3).float()
+    assert accept_coupled([tree], logits) == ([[1, 2]], [1])
 
 
 def test_top_k_top_p_and_temperature_masks():
