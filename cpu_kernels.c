@@ -62,7 +62,6 @@ static inline float hsum(vf v) {  // a fixed pairwise tree: the same order for e
 // any M, tile shape or thread count. A tile of ROWS x PANELS outputs keeps its accumulators in registers
 // and reads each weight element once for all its rows, so small-M steps (decode, verify) stream the
 // weights once: memory bound, and verifying K+1 rows costs about what one row does.
-// ---------------------------------------------------------------------------------------------------
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
 #if LANES == 16
@@ -153,7 +152,6 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 // cache in chunks of LANES keys from position 0, with an online softmax: the same arithmetic for a query at
 // a given position whatever the step around it. D must be a multiple of 16. A tree node (tree_pos set) reads
 // logical keys 0..tree_pos[t], the last tree_width of them from the physical positions in its tree_keys row.
-// ---------------------------------------------------------------------------------------------------
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
@@ -277,7 +275,6 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache, co
 // ---------------------------------------------------------------------------------------------------
 // bf16 RMSNorm and rotary: torch runs each as a chain of small ops; here one pass, rounded like the
 // torch reference step by step, so the two agree bit for bit.
-// ---------------------------------------------------------------------------------------------------
 // RMSNorm of x [rows, H] in fp32: bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w). With residual: x + residual
 // (rounded to bf16) is normed and also written to residual_out.
 void rms_norm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out, bf16 *residual_out,
