@@ -56,20 +56,17 @@ def get_context() -> AttentionContext:
 # The CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c
 # is compiled on first use with the system's C compiler into the cache dir and called through
 # ctypes. Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead.
-ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"],
-             "generic": []}
-ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}, "generic": set()}
+# The /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (-mavx2 ...).
+ISA_NEEDS = {"avx512": ["avx512f", "avx2", "fma", "f16c"], "avx2": ["avx2", "fma", "f16c"], "generic": []}
 
 
 def cpu_isa() -> str:
     """The widest ISA this CPU runs, or NANOSPEC_ISA (avx512, avx2, generic): a big CPU can behave
     like a small one (set ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA too, for torch's own kernels)."""
     forced = os.environ.get("NANOSPEC_ISA")
-    if forced:
-        if forced not in ISA_FLAGS:
-            raise ValueError(f"NANOSPEC_ISA={forced!r}: choose from {', '.join(ISA_FLAGS)}")
-        return forced
-    return next(isa for isa, needs in ISA_NEEDS.items() if needs <= cpu_flags())
+    if forced and forced not in ISA_NEEDS:
+        raise ValueError(f"NANOSPEC_ISA={forced!r}: choose from {', '.join(ISA_NEEDS)}")
+    return forced or next(isa for isa, needs in ISA_NEEDS.items() if set(needs) <= cpu_flags())
 
 
 def cpu_flags() -> set[str]:
@@ -101,7 +98,7 @@ def _load_cpu_kernels():
         return None
     isa = cpu_isa()
     command = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
-               "-Wno-psabi", *ISA_FLAGS[isa], str(source)]
+               "-Wno-psabi", *(f"-m{flag}" for flag in ISA_NEEDS[isa]), str(source)]
     # Keyed by source, compiler and ISA flags: a cache on a shared disk never loads another CPU's build.
     key = hashlib.sha1(source.read_bytes() + " ".join(command).encode()).hexdigest()[:12]
     library = cache_dir() / f"cpu_kernels-{isa}-{key}.so"
@@ -368,10 +365,12 @@ meta_launches = []  # launches of meta tensors, recorded here instead of run (be
 
 
 def _launch(kernel, grid, args, num_warps, **constexprs):
-    """Every wrapper launches through here. On meta tensors it only records what would be compiled."""
+    """Every wrapper launches through here: an empty grid (no rows) does nothing, and on meta tensors it
+    only records what would be compiled."""
     if args[0].device.type == "meta":
         return meta_launches.append((kernel, args, dict(constexprs, num_warps=num_warps)))
-    kernel[grid](*args, **constexprs, num_warps=num_warps)
+    if min(grid) > 0:
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
 
 
 def _as_rows(x):
@@ -404,8 +403,6 @@ def triton_store_kv(k, v, k_cache, v_cache, slot_mapping):
     copy, bandwidth bound: one [Hkv, D] tile per program is a few KB, plenty for 4 warps."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(2) == v.stride(2) == k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    if num_tokens == 0:
-        return
     _launch(_store_kv_kernel, (num_tokens,), (k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), *k_cache.stride()[:3], num_kv_heads), 4, BLOCK_SIZE=k_cache.shape[1],
             HEAD_DIM=head_dim, HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim))
@@ -558,11 +555,9 @@ def triton_linear(x, weight, bias=None):
     x2, n = _as_rows(x), weight.shape[0]
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = (32, 64, 32) if x.dtype == torch.float32 else (64, 64, 64)  # fp32: 2x bytes
-    if x2.shape[0] > 0:
-        _launch(_linear_kernel, (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)), (
-            x2, weight, weight if bias is None else bias, out, x2.shape[0], n, x2.shape[1], x2.stride(0),
-            weight.stride(0)), 4, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k)
+    _launch(_linear_kernel, (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)), (
+        x2, weight, weight if bias is None else bias, out, x2.shape[0], n, x2.shape[1], x2.stride(0),
+        weight.stride(0)), 4, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.view(*x.shape[:-1], n)
 
 
@@ -591,10 +586,9 @@ def triton_rms_norm(x, weight, eps, residual=None):
     r2 = _as_rows(residual) if residual is not None else x2
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = torch.empty_like(x2) if residual is not None else out  # (not written without residual)
-    if x2.shape[0] > 0:
-        block = _pow2(hidden)
-        _launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0),
-                hidden, eps), min(max(block // 256, 1), 16), HAS_RESIDUAL=residual is not None, BLOCK=block)
+    block = _pow2(hidden)
+    _launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0),
+            hidden, eps), min(max(block // 256, 1), 16), HAS_RESIDUAL=residual is not None, BLOCK=block)
     return out.view(shape) if residual is None else (out.view(shape), summed.view(shape))
 
 
@@ -624,9 +618,8 @@ def triton_rotary(x, cos_sin):
     num_tokens, num_heads, head_dim = x.shape
     assert x.stride(2) == cos_sin.stride(1) == 1
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if num_tokens > 0:
-        _launch(_rotary_kernel, (num_tokens,), (x, out, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0),
-                num_heads), 4, HALF=head_dim // 2, HEADS_PAD=_pow2(num_heads), HALF_PAD=_pow2(head_dim // 2))
+    _launch(_rotary_kernel, (num_tokens,), (x, out, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0),
+            num_heads), 4, HALF=head_dim // 2, HEADS_PAD=_pow2(num_heads), HALF_PAD=_pow2(head_dim // 2))
     return out
 
 
@@ -647,10 +640,9 @@ def triton_silu_mul(x):
     shape, inter = x.shape, x.shape[-1] // 2
     x2 = _as_rows(x)
     out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
-    if x2.shape[0] > 0:
-        block = min(_pow2(inter), 1024)
-        _launch(_silu_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)), (x2, out, x2.stride(0), inter), 4,
-                BLOCK=block)
+    block = min(_pow2(inter), 1024)
+    _launch(_silu_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)), (x2, out, x2.stride(0), inter), 4,
+            BLOCK=block)
     return out.view(*shape[:-1], inter)
 
 
