@@ -205,10 +205,8 @@ class Linear(nn.Module):
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels [ceil(N / 16), K, 16]: panel p, row k holds W[16p : 16p + 16, k] (zero-padded)."""
-    n, k = weight.shape
-    padded = weight.new_zeros(-(-n // 16) * 16, k)
-    padded[:n] = weight
-    return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+    padded = F.pad(weight, (0, 0, 0, -weight.shape[0] % 16))
+    return padded.reshape(-1, 16, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:

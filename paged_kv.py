@@ -10,8 +10,7 @@ class BlockManager:
     """Owns the free list. A sequence is anything with a `block_table` list of block ids."""
 
     def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
 
     @property
