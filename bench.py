@@ -6,6 +6,7 @@ import argparse
 import inspect
 import json
 import os
+import pkgutil
 import platform
 import statistics
 import sys
@@ -22,44 +23,41 @@ GROUNDED_SOURCES = ["textwrap.dedent", "shlex.split", "fnmatch.translate", "json
                     "string.capwords", "statistics.median", "heapq.merge", "heapq.nlargest",
                     "textwrap.indent", "calendar.isleap", "colorsys.rgb_to_hsv", "glob.escape",
                     "difflib.get_close_matches", "difflib.unified_diff", "html.escape"]
-
-
 TASK = "Rewrite this function with a short comment above each block. Show the whole function."
 
 
 def grounded_workload() -> list[str]:
-    import importlib
-    prompts = []
-    for name in GROUNDED_SOURCES:
-        func = getattr(importlib.import_module(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1])
-        prompts.append(f"Here is a Python function:\n\n```python\n{inspect.getsource(func)}```\n\n{TASK}")
-    return prompts
+    return [f"Here is a Python function:\n\n```python\n{inspect.getsource(pkgutil.resolve_name(name))}```\n\n"
+            f"{TASK}" for name in GROUNDED_SOURCES]
 
 
 # General-assistant requests for train_speculator.py: topics x kinds of task, written for nanospec so a
 # speculator can learn the target's chat answers offline. MT-bench stays held apart for evaluation.
-CHAT_TOPICS = ["photosynthesis", "the French Revolution", "machine learning", "climate change", "black holes",
-               "the stock market", "healthy eating", "remote work", "electric cars", "the Roman Empire",
-               "social media", "vaccines", "solar power", "the human brain", "volcanoes", "coffee", "chess",
-               "jazz", "ancient Egypt", "quantum computers", "recycling", "time management", "public speaking",
-               "gardening", "the water cycle", "democracy", "the internet", "sleep", "meditation", "dinosaurs",
-               "the Moon landing", "friendship", "city planning", "coral reefs", "the Renaissance", "inflation",
-               "earthquakes", "video games", "bees", "the printing press", "running a marathon", "learning a language",
-               "saving money", "the Olympic Games", "rainforests", "space travel", "Shakespeare", "smartphones",
-               "honey", "the immune system", "a small bakery", "job interviews", "volunteering", "the ocean",
-               "trains", "mountains", "music lessons", "a rainy day", "robots", "the history of maps"]
-CHAT_TASKS = ["Write a short story about {}.", "Explain {} to a ten-year-old.", "What are the pros and cons of {}?",
-              "Write a poem about {}.", "Give me five practical tips related to {}.", "Write a blog post about {}.",
+CHAT_TOPICS = ("photosynthesis, the French Revolution, machine learning, climate change, black holes, "
+               "the stock market, healthy eating, remote work, electric cars, the Roman Empire, "
+               "social media, vaccines, solar power, the human brain, volcanoes, coffee, chess, jazz, "
+               "ancient Egypt, quantum computers, recycling, time management, public speaking, gardening, "
+               "the water cycle, democracy, the internet, sleep, meditation, dinosaurs, the Moon landing, "
+               "friendship, city planning, coral reefs, the Renaissance, inflation, earthquakes, "
+               "video games, bees, the printing press, running a marathon, learning a language, "
+               "saving money, the Olympic Games, rainforests, space travel, Shakespeare, smartphones, honey, "
+               "the immune system, a small bakery, job interviews, volunteering, the ocean, trains, "
+               "mountains, music lessons, a rainy day, robots, the history of maps").split(", ")
+CHAT_TASKS = ["Write a short story about {}.", "Explain {} to a ten-year-old.",
+              "What are the pros and cons of {}?", "Write a poem about {}.",
+              "Give me five practical tips related to {}.", "Write a blog post about {}.",
               "Describe the history of {} in three paragraphs.", "Write a persuasive speech about {}.",
-              "Create a quiz with three questions about {}, with answers.", "Summarize what everyone should know about {}.",
-              "Write a dialogue between a teacher and a student about {}.", "Write a product description inspired by {}."]
+              "Create a quiz with three questions about {}, with answers.",
+              "Summarize what everyone should know about {}.",
+              "Write a dialogue between a teacher and a student about {}.",
+              "Write a product description inspired by {}."]
 
 
 def chat_workload() -> list[str]:
-    """Training prompts for train_speculator.py: every topic with every kind of task, in an order where
-    any 60 consecutive prompts cover every topic and every task (prompt i: topic i % 60, task (i + i // 60) % 12)."""
-    n = len(CHAT_TOPICS)
-    return [CHAT_TASKS[(i + i // n) % len(CHAT_TASKS)].format(CHAT_TOPICS[i % n]) for i in range(n * len(CHAT_TASKS))]
+    """Training prompts for train_speculator.py: every topic with every task, ordered so that any 60
+    consecutive prompts cover every topic and every task (prompt i: topic i % 60, task (i + i // 60) % 12)."""
+    n, tasks = len(CHAT_TOPICS), len(CHAT_TASKS)
+    return [CHAT_TASKS[(i + i // n) % tasks].format(CHAT_TOPICS[i % n]) for i in range(n * tasks)]
 
 
 def read_workload(spec: str) -> list[str]:
@@ -91,8 +89,8 @@ def run_nanospec(llm: LLM, prompts, params, repeat):
     return {
         "tok_s": tok_s, "req_s": len(prompts) / elapsed, "tok_s_runs": [r[0] for r in runs],
         "output_tokens": sum(len(o.token_ids) for o in outs),
-        "ttft_p50": percentile([o.ttft for o in outs], 50), "ttft_p90": percentile([o.ttft for o in outs], 90),
-        "tpot_p50": percentile([o.tpot for o in outs], 50), "tpot_p90": percentile([o.tpot for o in outs], 90),
+        **{f"{name}_p{q}": percentile([getattr(o, name) for o in outs], q) for name in ("ttft", "tpot")
+           for q in (50, 90)},
         # Time from each request's first token to its last, per token after the first: decoding alone.
         "decode_ms_per_token": 1000 * sum(o.latency - o.ttft for o in outs)
                                / max(sum(len(o.token_ids) - 1 for o in outs), 1),
@@ -121,7 +119,8 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
     for _ in range(repeat):
         num_tokens, start = 0, time.perf_counter()
         for i in range(0, len(prompts), batch_size):
-            batch = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            batch = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True,
+                              add_special_tokens=False).to(model.device)
             with torch.inference_mode():
                 new = model.generate(**batch, **kwargs)[:, batch["input_ids"].shape[1]:]
             is_eos = new == tokenizer.eos_token_id
@@ -132,29 +131,30 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
 
 def machine_info(dtype, device):
     import kernels
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    cpuinfo = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    cpu = next((row.partition(":")[2].strip() for row in cpuinfo if row.startswith("model name")),
+               platform.processor())
     return {"cpu": cpu, "isa": kernels.cpu_isa(), "kernels": kernels.kernels_summary(device),
             "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "dtype": str(dtype)[6:],
-            "python": platform.python_version()}
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "dtype": str(dtype)[6:], "python": platform.python_version()}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps (bench.py kernels "
                                              "--compile-only: the Triton kernels' GPU compile table)")
-    p.add_argument("--model", default="default", help="model folder, or 'default' (embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default="default", help="model folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="none,ngram", help="comma list of: none, ngram, suffix, PATH, mlp:PATH")
     p.add_argument("--num-spec-tokens", default="4", help="comma list of K values and/or 'auto'")
     p.add_argument("--spec-tree-nodes", default="0", help="comma list of tree node budgets (0: chains)")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--workload", default="grounded", help="'grounded', 'chat' (built in) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per run (default: the batch size)")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--dtype", default="auto", help="auto (chosen for the hardware), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", help="auto (for the hardware), float32, bfloat16, float16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--spec-disable-batch-size", type=int)
@@ -177,9 +177,9 @@ def sweep(args):
                                                        for n in (trees if d in ("ngram", "suffix") else [0])]
     results = []
     base = LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch_sizes))
-    all_prompts = read_workload(args.workload)
+    workload = read_workload(args.workload)
     if args.chat and base.tokenizer and base.tokenizer.chat_template:
-        all_prompts = [base.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in all_prompts]
+        workload = [base.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in workload]
     hf = None
     if args.baseline == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -196,7 +196,7 @@ def sweep(args):
                                                    max_num_seqs=max(batch_sizes), **spec)
             for b in batch_sizes:
                 n = args.num_prompts or b
-                prompts = [all_prompts[i % len(all_prompts)] for i in range(n)]
+                prompts = [workload[i % len(workload)] for i in range(n)]
                 llm.max_num_seqs = b
                 # warm-up, on a prompt of its own: the suffix proposer remembers finished requests
                 llm.generate(["Hello"], SamplingParams(max_tokens=8), use_progress=False)
@@ -210,30 +210,29 @@ def sweep(args):
     plain = {r["batch"]: r for r in results if r["method"] == "none"}
     plain_ids = {b: r["token_ids"] for b, r in plain.items()}
     for r in results:
-        token_ids = r.pop("token_ids")
-        r["identical_to_plain"] = token_ids == plain_ids[r["batch"]] if r["batch"] in plain_ids else None
-    for r in results:
-        r["speedup_vs_plain"] = r["tok_s"] / plain[r["batch"]]["tok_s"] if r["batch"] in plain else None
-        r["decode_speedup_vs_plain"] = plain[r["batch"]]["decode_ms_per_token"] / r["decode_ms_per_token"] \
-            if r["batch"] in plain else None
+        token_ids, ref = r.pop("token_ids"), plain.get(r["batch"])  # ref: plain decoding at this batch size
+        r["identical_to_plain"] = token_ids == plain_ids[r["batch"]] if ref else None
+        r["speedup_vs_plain"] = r["tok_s"] / ref["tok_s"] if ref else None
+        r["decode_speedup_vs_plain"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"] if ref else None
         r["speedup_vs_hf"] = r["tok_s"] / r["hf_tok_s"] if r.get("hf_tok_s") else None
     machine = machine_info(base.dtype, args.device)
-    table = Table(title=f"nanospec bench · {args.model} · {machine['dtype']} · {args.workload} · max_tokens "
-                        f"{args.max_tokens} · {machine['cpu']} · {machine['kernels']}")
+    table = Table(title=f"nanospec bench · {args.model} · {machine['dtype']} · {args.workload} · "
+                        f"max_tokens {args.max_tokens} · {machine['cpu']} · {machine['kernels']}")
     for col in ("method", "K", "tree", "batch", "= plain", "tok/s", "req/s", "TTFT p50/p90 ms",
-                "TPOT p50/p90 ms", "mean acc len", "acc/pos", "K per step", "x plain", "x plain decode", "hf tok/s", "x hf"):
+                "TPOT p50/p90 ms", "mean acc len", "acc/pos", "K per step", "x plain", "x plain decode",
+                "hf tok/s", "x hf"):
         table.add_column(col, justify="left" if col in ("method", "acc/pos", "K per step") else "right")
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
+    ms = lambda r, key, f: f"{1000 * r[key + '_p50']:{f}}/{1000 * r[key + '_p90']:{f}}"  # noqa: E731
     for r in results:
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_plain"]]
         table.add_row(os.path.basename(r["method"].rstrip("/")), str(r["k"]), str(r["tree"]), str(r["batch"]),
-                      same, f"{r['tok_s']:.1f}",
-                      f"{r['req_s']:.2f}", f"{1000 * r['ttft_p50']:.0f}/{1000 * r['ttft_p90']:.0f}",
-                      f"{1000 * r['tpot_p50']:.1f}/{1000 * r['tpot_p90']:.1f}", fmt(r["mean_accepted_length"]),
+                      same, f"{r['tok_s']:.1f}", f"{r['req_s']:.2f}",
+                      ms(r, "ttft", ".0f"), ms(r, "tpot", ".1f"), fmt(r["mean_accepted_length"]),
                       " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]),
                       " ".join(f"{k}:{n}" for k, n in sorted(r["k_per_step"].items())) if r["k"] else "",
-                      fmt(r["speedup_vs_plain"]), fmt(r["decode_speedup_vs_plain"]), fmt(r.get("hf_tok_s"), "{:.1f}"),
-                      fmt(r["speedup_vs_hf"]))
+                      fmt(r["speedup_vs_plain"]), fmt(r["decode_speedup_vs_plain"]),
+                      fmt(r.get("hf_tok_s"), "{:.1f}"), fmt(r["speedup_vs_hf"]))
     Console(width=220).print(table)
     if args.json:
         with open(args.json, "w") as f:

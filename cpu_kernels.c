@@ -57,24 +57,16 @@ static inline float hsum(vf v) {  // a fixed pairwise tree: the same order for e
 // ---------------------------------------------------------------------------------------------------
 // Linear: y[M, N] = x[M, K] W^T (+ bias). W is packed once at load time into panels of 16 output columns,
 // k-major: w[panel][k][16] (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows), one
-// to four vectors per panel row depending on the ISA. Each
-// output y[m, n] is one fp32 fused multiply-add chain over k = 0..K-1 from zero, then + bias: the same for
-// any M, tile shape or thread count. A tile of ROWS x PANELS outputs keeps its accumulators in registers
-// and reads each weight element once for all its rows, so small-M steps (decode, verify) stream the
-// weights once: memory bound, and verifying K+1 rows costs about what one row does.
-// ---------------------------------------------------------------------------------------------------
+// to four vectors per panel row depending on the ISA. Each output y[m, n] is one fp32 fused multiply-add
+// chain over k = 0..K-1 from zero, then + bias: the same for any M, tile shape or thread count. A tile of
+// ROWS x PANELS outputs keeps its accumulators in registers and reads each weight element once for all its
+// rows, so small-M steps (decode, verify) stream the weights once: memory bound, and verifying K+1 rows
+// costs about what one row does. Accumulators: 6 rows x 4 panels = 24 of AVX-512's 32 vector registers;
+// 6 rows x 1 panel x 2 vectors = 12 of AVX2's 16; 2 rows x 1 panel x 4 vectors = 8 of the generic 16.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
-#if LANES == 16
-#define MAX_ROWS 6  // 6 rows x 4 panels = 24 of the 32 vector registers
-#define PANELS 4
-#elif LANES == 8
-#define MAX_ROWS 6  // 6 rows x 1 panel x 2 vectors = 12 of the 16 registers
-#define PANELS 1
-#else
-#define MAX_ROWS 2  // 2 rows x 1 panel x 4 vectors = 8 of the 16 registers
-#define PANELS 1
-#endif
+#define MAX_ROWS (LANES == 4 ? 2 : 6)
+#define PANELS (LANES == 16 ? 4 : 1)
 
 static inline __attribute__((always_inline)) void
 linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, int panels, int64_t m0, int p0,
@@ -107,25 +99,24 @@ linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, i
 
 // One instance per (rows, panels) shape, so every accumulator has a register; x_bf16 / w_bf16 are
 // constant inside each instance too.
-#define TILE_AT(M0, P0) linear_tile(x, w, bias, y, 1, 1, M0, P0, N, K, x_bf16, w_bf16, y_bf16)
-#define TILE(R, P) linear_tile(x, w, bias, y, R, P, m0, p0, N, K, x_bf16, w_bf16, y_bf16)
+#define TILE(R, P, M0, P0) linear_tile(x, w, bias, y, R, P, M0, P0, N, K, x_bf16, w_bf16, y_bf16)
 static void linear_rows(const void *x, const void *w, const void *bias, void *y, int rows, int panels,
                         int64_t m0, int p0, int N, int K, int x_bf16, int w_bf16, int y_bf16)
 {
     if (panels == PANELS) {
         switch (rows) {
-        case 1: TILE(1, PANELS); break;
-        case 2: TILE(2, PANELS); break;
+        case 1: TILE(1, PANELS, m0, p0); break;
+        case 2: TILE(2, PANELS, m0, p0); break;
 #if MAX_ROWS == 6
-        case 3: TILE(3, PANELS); break;
-        case 4: TILE(4, PANELS); break;
-        case 5: TILE(5, PANELS); break;
-        case 6: TILE(6, PANELS); break;
+        case 3: TILE(3, PANELS, m0, p0); break;
+        case 4: TILE(4, PANELS, m0, p0); break;
+        case 5: TILE(5, PANELS, m0, p0); break;
+        case 6: TILE(6, PANELS, m0, p0); break;
 #endif
         }
     } else {
         for (int p = 0; p < panels; p++)
-            for (int r = 0; r < rows; r++) TILE_AT(m0 + r, p0 + p);
+            for (int r = 0; r < rows; r++) TILE(1, 1, m0 + r, p0 + p);
     }
 }
 
@@ -153,7 +144,6 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 // cache in chunks of LANES keys from position 0, with an online softmax: the same arithmetic for a query at
 // a given position whatever the step around it. D must be a multiple of 16. A tree node (tree_pos set) reads
 // logical keys 0..tree_pos[t], the last tree_width of them from the physical positions in its tree_keys row.
-// ---------------------------------------------------------------------------------------------------
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
@@ -277,7 +267,6 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache, co
 // ---------------------------------------------------------------------------------------------------
 // bf16 RMSNorm and rotary: torch runs each as a chain of small ops; here one pass, rounded like the
 // torch reference step by step, so the two agree bit for bit.
-// ---------------------------------------------------------------------------------------------------
 // RMSNorm of x [rows, H] in fp32: bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w). With residual: x + residual
 // (rounded to bf16) is normed and also written to residual_out.
 void rms_norm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out, bf16 *residual_out,
@@ -306,7 +295,8 @@ void rms_norm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out
 
 // Neox rotary of x [T, H, D] (row stride stride_x; heads contiguous) with cos_sin [T, D] = [cos | sin],
 // into out [T, H, D], rounded like torch_rotary: each product rounded to bf16, then their difference/sum.
-void rotary(const bf16 *x, const bf16 *cos_sin, bf16 *out, int tokens, int heads, int head_dim, int64_t stride_x)
+void rotary(const bf16 *x, const bf16 *cos_sin, bf16 *out, int tokens, int heads, int head_dim,
+            int64_t stride_x)
 {
     int half = head_dim / 2;
     #pragma omp parallel for schedule(static) if (tokens > 16)

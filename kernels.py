@@ -1,9 +1,9 @@
 # The hot ops of every forward: linear layers, paged KV store, unified varlen paged attention, RMSNorm,
-# rotary and SiLU-and-mul. Each op has a plain-torch reference (`torch_*`),
-# a Triton kernel (`triton_*`) for GPUs and, on CPUs, C kernels (`c_*`, cpu_kernels.c) where they pay.
-# One public function per op picks, by one rule (`pick`). Every implementation computes a row the same
-# way whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless
-# forced (tests under TRITON_INTERPRET=1).
+# rotary and SiLU-and-mul. Each op has a plain-torch reference (`torch_*`), a Triton kernel (`triton_*`)
+# for GPUs and, on CPUs, C kernels (`c_*`, cpu_kernels.c) where they pay. One public function per op
+# picks, by one rule (`pick`). Every implementation computes a row the same way whatever else is in the
+# call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless forced (tests, under
+# TRITON_INTERPRET=1).
 import ctypes
 import hashlib
 import os
@@ -20,14 +20,9 @@ from torch import nn
 FORCE_TRITON = os.environ.get("NANOSPEC_TRITON") == "1"
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or FORCE_TRITON
-
-
 # ---------------------------------------------------------------------------------------------
 # Per-step attention metadata. Set once per forward; every attention layer reads it, so nothing
 # has to be threaded through the model's call signatures.
-# ---------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class AttentionContext:
     slot_mapping: torch.Tensor     # [T] cache slot of each new token (-1: do not store)
@@ -61,21 +56,17 @@ def get_context() -> AttentionContext:
 # The CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c
 # is compiled on first use with the system's C compiler into the cache dir and called through
 # ctypes. Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead.
-# ---------------------------------------------------------------------------------------------
-ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx2", "-mfma", "-mf16c"], "avx2": ["-mavx2", "-mfma", "-mf16c"],
-             "generic": []}
-ISA_NEEDS = {"avx512": {"avx512f", "avx2", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}, "generic": set()}
+# The /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (-mavx2 ...).
+ISA_NEEDS = {"avx512": ["avx512f", "avx2", "fma", "f16c"], "avx2": ["avx2", "fma", "f16c"], "generic": []}
 
 
 def cpu_isa() -> str:
     """The widest ISA this CPU runs, or NANOSPEC_ISA (avx512, avx2, generic): a big CPU can behave
     like a small one (set ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA too, for torch's own kernels)."""
     forced = os.environ.get("NANOSPEC_ISA")
-    if forced:
-        if forced not in ISA_FLAGS:
-            raise ValueError(f"NANOSPEC_ISA={forced!r}: choose from {', '.join(ISA_FLAGS)}")
-        return forced
-    return next(isa for isa, needs in ISA_NEEDS.items() if needs <= cpu_flags())
+    if forced and forced not in ISA_NEEDS:
+        raise ValueError(f"NANOSPEC_ISA={forced!r}: choose from {', '.join(ISA_NEEDS)}")
+    return forced or next(isa for isa, needs in ISA_NEEDS.items() if set(needs) <= cpu_flags())
 
 
 def cpu_flags() -> set[str]:
@@ -97,22 +88,22 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
 
 
 def cache_dir() -> Path:
-    """nanospec's cache (the converted default model, the built C kernels): $NANOSPEC_CACHE or ~/.cache/nanospec."""
+    """$NANOSPEC_CACHE or ~/.cache/nanospec: the converted default model, the built C kernels."""
     return Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
 
 
 def _load_cpu_kernels():
-    source = Path(__file__).with_name("cpu_kernels.c")  # missing where a non-editable install kept only .py files
+    source = Path(__file__).with_name("cpu_kernels.c")  # missing where an install kept only .py files
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
     isa = cpu_isa()
     command = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
-               "-Wno-psabi", *ISA_FLAGS[isa], str(source)]
+               "-Wno-psabi", *(f"-m{flag}" for flag in ISA_NEEDS[isa]), str(source)]
     # Keyed by source, compiler and ISA flags: a cache on a shared disk never loads another CPU's build.
     key = hashlib.sha1(source.read_bytes() + " ".join(command).encode()).hexdigest()[:12]
     library = cache_dir() / f"cpu_kernels-{isa}-{key}.so"
     if not library.exists():
-        partial = library.with_suffix(f".{os.getpid()}.tmp")  # rename: concurrent builds never see half a file
+        partial = library.with_suffix(f".{os.getpid()}.tmp")  # renamed: no build ever sees half a file
         try:  # no compiler, a failed build or an unwritable cache dir: the torch path still works
             library.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run(command + ["-o", str(partial)], check=True, capture_output=True)
@@ -151,12 +142,11 @@ def kernels_summary(device) -> str:
 # ---------------------------------------------------------------------------------------------
 # The rule, for every op: Triton on CUDA (or forced in tests); on a CPU the C kernel where the op
 # has one for this dtype and the library built; the torch reference otherwise.
-# ---------------------------------------------------------------------------------------------
 C_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def pick(x: torch.Tensor, triton_fn, c_fn, torch_fn):
-    if use_triton(x):
+    if x.is_cuda or FORCE_TRITON:
         return triton_fn
     if c_fn is not None and x.device.type == "cpu" and x.dtype in C_DTYPES and cpu_kernels() is not None:
         return c_fn
@@ -202,7 +192,6 @@ def linear(x, layer: "Linear"):
 # Linear layers. Models are built from plain nn.Linear; load_model swaps each for a Linear, which
 # on a CPU with the C kernels holds its weight packed once at load time for the weight-streaming
 # kernel (and the nn.Linear weight is dropped, unless shared with an embedding).
-# ---------------------------------------------------------------------------------------------
 class Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
         super().__init__()
@@ -216,10 +205,8 @@ class Linear(nn.Module):
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels [ceil(N / 16), K, 16]: panel p, row k holds W[16p : 16p + 16, k] (zero-padded)."""
-    n, k = weight.shape
-    padded = weight.new_zeros(-(-n // 16) * 16, k)
-    padded[:n] = weight
-    return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+    padded = F.pad(weight, (0, 0, 0, -weight.shape[0] % 16))
+    return padded.reshape(-1, 16, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:
@@ -262,25 +249,20 @@ def c_linear(x, packed, bias, out_features):
 
 # ---------------------------------------------------------------------------------------------
 # Paged attention, store_kv, norms, rotary, activations: torch references and C kernels.
-# ---------------------------------------------------------------------------------------------
 def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
     """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot -1 = skip."""
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
 def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                           max_q_len=None, max_seq_len=None, tree_pos=None, tree_keys=None):
-    """Causal attention of packed queries q [T, Hq, D] over the paged cache -> [T, Hq, D].
-
-    Query j of sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it
-    (with a tree: logical positions <= tree_pos[t], see AttentionContext).
-    Each query is attended on its own, over exactly its keys: the same shapes, so the same arithmetic,
-    whatever the step around it (decode, verification, a prefill chunk).
-    """
+    """Causal attention of packed queries q [T, Hq, D] over the paged cache -> [T, Hq, D]. Query j of
+    sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it (with a tree:
+    logical positions <= tree_pos[t], see AttentionContext). Each query is attended on its own, over
+    exactly its keys: the same shapes, so the same arithmetic, whatever the step around it."""
     out = torch.empty_like(q)
     group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -303,23 +285,23 @@ def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
                       max_q_len=None, max_seq_len=None, tree_pos=None, tree_keys=None):
     """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (fp32 or bf16)."""
     q = q.contiguous()
-    tables, seq_lens, starts = (t.to(torch.int64).contiguous() for t in (block_tables, seq_lens, query_start_loc))
+    tables, seq_lens, starts = (t.long().contiguous() for t in (block_tables, seq_lens, query_start_loc))
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
-    tree = () if tree_pos is None else tuple(t.to(torch.int64).contiguous() for t in (tree_pos, tree_keys))
+    tree = () if tree_pos is None else tuple(t.long().contiguous() for t in (tree_pos, tree_keys))
     tree_args = (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1]) if tree else (None, None, 0)
-    cpu_kernels().paged_attention(*(t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)),
-                                  len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size,
-                                  scale, q.dtype == torch.bfloat16, torch.get_num_threads(), *tree_args)
+    pointers = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
+    cpu_kernels().paged_attention(*pointers, len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads,
+                                  head_dim, block_size, scale, q.dtype == torch.bfloat16,
+                                  torch.get_num_threads(), *tree_args)
     return out
 
 
 def torch_rms_norm(x, weight, eps, residual=None):
     """RMSNorm computed in fp32 (as HF does). With residual: x += residual first; returns (normed, sum)."""
     if residual is not None:
-        x = x + residual
-        residual = x
+        x = residual = x + residual
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
     return normed if residual is None else (normed, residual)
 
@@ -327,7 +309,8 @@ def torch_rms_norm(x, weight, eps, residual=None):
 def c_rms_norm(x, weight, eps, residual=None):
     """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (bf16, CPU)."""
     x, out = x.contiguous(), torch.empty_like(x)
-    residual, residual_out = (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
+    residual_out = None if residual is None else torch.empty_like(x)
+    residual = None if residual is None else residual.contiguous()
     pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, residual_out)]
     cpu_kernels().rms_norm(*pointers, x.numel() // x.shape[-1], x.shape[-1], eps)
     return out if residual is None else (out, residual_out)
@@ -362,7 +345,6 @@ def torch_silu_mul(x):
 # it. Every load and store is masked (the CPU interpreter does no bounds checking), tl.arange extents
 # are powers of two, tl.dot tiles are >= 16 in every dim, math is fp32 (rounded where the reference
 # rounds), stores are in the output dtype.
-# ---------------------------------------------------------------------------------------------
 try:
     import triton
     import triton.language as tl
@@ -381,10 +363,12 @@ meta_launches = []  # launches of meta tensors, recorded here instead of run (be
 
 
 def _launch(kernel, grid, args, num_warps, **constexprs):
-    """Every wrapper launches through here. On meta tensors it only records what would be compiled."""
+    """Every wrapper launches through here: an empty grid (no rows) does nothing, and on meta tensors it
+    only records what would be compiled."""
     if args[0].device.type == "meta":
         return meta_launches.append((kernel, args, dict(constexprs, num_warps=num_warps)))
-    kernel[grid](*args, **constexprs, num_warps=num_warps)
+    if min(grid) > 0:
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
 
 
 def _as_rows(x):
@@ -413,19 +397,13 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
 
 
 def triton_store_kv(k, v, k_cache, v_cache, slot_mapping):
-    """One program per new token copies its [Hkv, D] K and V rows into its cache slot (-1: skip).
-
-    A pure copy, bandwidth bound: one [Hkv, D] tile per program is a few KB, plenty for 4 warps.
-    """
+    """One program per new token copies its [Hkv, D] K and V rows into its cache slot (-1: skip). A pure
+    copy, bandwidth bound: one [Hkv, D] tile per program is a few KB, plenty for 4 warps."""
     num_tokens, num_kv_heads, head_dim = k.shape
-    assert k.stride(2) == v.stride(2) == 1 and k_cache.stride() == v_cache.stride()
-    assert k_cache.stride(3) == 1
-    if num_tokens == 0:
-        return
-    _launch(_store_kv_kernel, (num_tokens,), (
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_kv_heads), 4, BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim))
+    assert k.stride(2) == v.stride(2) == k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    _launch(_store_kv_kernel, (num_tokens,), (k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), *k_cache.stride()[:3], num_kv_heads), 4, BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=head_dim, HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim))
 
 
 @triton.jit
@@ -433,10 +411,9 @@ def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, tree_pos_ptr, tree_keys_ptr, tree_width, scale, segment_len, stride_qt,
         stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_cb, stride_cs, stride_ch,
-        stride_bt,
-        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, BLOCK_Q: tl.constexpr,
-        TREE: tl.constexpr):
+        stride_bt, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+        BLOCK_Q: tl.constexpr, TREE: tl.constexpr):
     q_block, seq = tl.program_id(0), tl.program_id(1)
     kv_head, segment = tl.program_id(2) // NUM_SEGMENTS, tl.program_id(2) % NUM_SEGMENTS
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -512,44 +489,38 @@ KV_SEGMENT = 512  # keys per split-KV segment: fixed, so a sequence's split depe
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                            max_q_len, max_seq_len, tree_pos=None, tree_keys=None):
-    """Unified varlen paged attention: one kernel for prefill chunks, decode and verification.
-
-    Grid (query blocks, sequences, kv heads x KV segments), sized from the host ints max_q_len and
-    max_seq_len (no sync); programs past their sequence's q_len exit at once. A tile's BLOCK_M rows
-    are (query, head-in-group) pairs, so the GQA heads sharing a KV head read each K/V tile once.
-    BLOCK_M = 64 rows (more for GQA groups over 64) whatever the step, and KV_SEGMENT-key segments from
-    position 0: a query's arithmetic never depends on its batch partners (row invariance). BLOCK_N = 64
-    cache positions per step, gathered through the block table per position, so any block size (even
-    1) works. fp32 dots use "ieee". With several KV segments each program writes its segment's
-    normalised output and log-sum-exp in fp32, and a softmax over the segments' lse merges them (a
-    segment past a sequence's end has weight exactly 0, so a short sequence gets the unsplit bits).
-    With a tree, one query per tile (its rows alone in the same tile shape: the same bits), so a node's
-    path can remap the tile's key positions.
-    """
+    """Unified varlen paged attention: one kernel for prefill chunks, decode and verification. Grid
+    (query blocks, sequences, kv heads x KV segments), sized from the host ints max_q_len and max_seq_len
+    (no sync); programs past their sequence's q_len exit at once. A tile's BLOCK_M rows are (query,
+    head-in-group) pairs, so the GQA heads sharing a KV head read each K/V tile once. BLOCK_M = 64 rows
+    (more for GQA groups over 64) whatever the step, and KV_SEGMENT-key segments from position 0: a
+    query's arithmetic never depends on its batch partners (row invariance). BLOCK_N = 64 cache positions
+    per step, gathered through the block table per position, so any block size (even 1) works. fp32 dots
+    use "ieee". With several KV segments each program writes its segment's normalised output and
+    log-sum-exp in fp32, and a softmax over the segments' lse merges them (a segment past a sequence's end
+    has weight exactly 0, so a short sequence gets the unsplit bits). With a tree, one query per tile (its
+    rows alone in the same tile shape: the same bits), so a node's path can remap the tile's key positions."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert q.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
-    group, block_n = num_heads // num_kv_heads, 64
+    group = num_heads // num_kv_heads
     block_m = max(64, _pow2(group))  # per model, never per step: a query's tile shape is always the same
     block_q = 1 if tree_pos is not None else block_m // group
-    num_q_blocks = triton.cdiv(max_q_len, block_q)
-    segments, segment_len = triton.cdiv(max_seq_len, KV_SEGMENT), KV_SEGMENT
+    segments = triton.cdiv(max_seq_len, KV_SEGMENT)
     # Unsplit, the kernel writes the output directly (as segment 0 of a [1, T, Hq, D] view).
     f32 = dict(dtype=torch.float32, device=q.device)
     partial = out[None] if segments == 1 else torch.empty(segments, *q.shape, **f32)
     lse = torch.empty(segments, num_tokens, num_heads, **f32)  # written only when split
-    grid = (num_q_blocks, seq_lens.shape[0], num_kv_heads * segments)
+    tree = (seq_lens, seq_lens, 0) if tree_pos is None else (tree_pos, tree_keys, tree_keys.shape[1])
+    grid = (triton.cdiv(max_q_len, block_q), seq_lens.shape[0], num_kv_heads * segments)
     _launch(_paged_attention_kernel, grid, (
-        q, k_cache, v_cache, partial, lse, block_tables, seq_lens, query_start_loc,
-        seq_lens if tree_pos is None else tree_pos, seq_lens if tree_keys is None else tree_keys,
-        0 if tree_keys is None else tree_keys.shape[1], scale, segment_len,
-        q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, partial, lse, block_tables, seq_lens, query_start_loc, *tree, scale, KV_SEGMENT,
+        q.stride(0), q.stride(1), *partial.stride()[:3], *lse.stride()[:2], *k_cache.stride()[:3],
         block_tables.stride(0)), 4, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
-        DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=block_n, NUM_SEGMENTS=segments, BLOCK_Q=block_q,
+        DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=64, NUM_SEGMENTS=segments, BLOCK_Q=block_q,
         TREE=tree_pos is not None)
     if segments > 1:  # each segment's share of the total softmax mass is softmax(lse) over segments
         out.copy_((torch.softmax(lse, dim=0)[..., None] * partial).sum(0))
@@ -582,11 +553,9 @@ def triton_linear(x, weight, bias=None):
     x2, n = _as_rows(x), weight.shape[0]
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = (32, 64, 32) if x.dtype == torch.float32 else (64, 64, 64)  # fp32: 2x bytes
-    if x2.shape[0] > 0:
-        _launch(_linear_kernel, (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)), (
-            x2, weight, weight if bias is None else bias, out, x2.shape[0], n, x2.shape[1], x2.stride(0),
-            weight.stride(0)), 4, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k)
+    _launch(_linear_kernel, (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)), (
+        x2, weight, weight if bias is None else bias, out, x2.shape[0], n, x2.shape[1], x2.stride(0),
+        weight.stride(0)), 4, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.view(*x.shape[:-1], n)
 
 
@@ -615,13 +584,10 @@ def triton_rms_norm(x, weight, eps, residual=None):
     r2 = _as_rows(residual) if residual is not None else x2
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = torch.empty_like(x2) if residual is not None else out  # (not written without residual)
-    if x2.shape[0] > 0:
-        block = _pow2(hidden)
-        _launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0),
-                hidden, eps), min(max(block // 256, 1), 16), HAS_RESIDUAL=residual is not None, BLOCK=block)
-    if residual is None:
-        return out.view(shape)
-    return out.view(shape), summed.view(shape)
+    block = _pow2(hidden)
+    _launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0),
+            hidden, eps), min(max(block // 256, 1), 16), HAS_RESIDUAL=residual is not None, BLOCK=block)
+    return out.view(shape) if residual is None else (out.view(shape), summed.view(shape))
 
 
 @triton.jit
@@ -644,17 +610,14 @@ def _rotary_kernel(x_ptr, out_ptr, cos_sin_ptr, stride_xt, stride_xh, stride_cs,
 
 
 def triton_rotary(x, cos_sin):
-    """One program per token rotates all its heads with one cos/sin row (read once).
-
-    A [heads, D/2] tile per half; elementwise and tiny, so 4 warps. Math in fp32 (the reference
-    multiplies in x's dtype, so fp16/bf16 results can differ by an ulp).
-    """
+    """One program per token rotates all its heads with one cos/sin row (read once): a [heads, D/2] tile
+    per half, elementwise and tiny, so 4 warps. Math in fp32 (the reference multiplies in x's dtype, so
+    fp16/bf16 results can differ by an ulp)."""
     num_tokens, num_heads, head_dim = x.shape
     assert x.stride(2) == cos_sin.stride(1) == 1
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if num_tokens > 0:
-        _launch(_rotary_kernel, (num_tokens,), (x, out, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0),
-                num_heads), 4, HALF=head_dim // 2, HEADS_PAD=_pow2(num_heads), HALF_PAD=_pow2(head_dim // 2))
+    _launch(_rotary_kernel, (num_tokens,), (x, out, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0),
+            num_heads), 4, HALF=head_dim // 2, HEADS_PAD=_pow2(num_heads), HALF_PAD=_pow2(head_dim // 2))
     return out
 
 
@@ -675,10 +638,9 @@ def triton_silu_mul(x):
     shape, inter = x.shape, x.shape[-1] // 2
     x2 = _as_rows(x)
     out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
-    if x2.shape[0] > 0:
-        block = min(_pow2(inter), 1024)
-        _launch(_silu_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)), (x2, out, x2.stride(0), inter), 4,
-                BLOCK=block)
+    block = min(_pow2(inter), 1024)
+    _launch(_silu_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)), (x2, out, x2.stride(0), inter), 4,
+            BLOCK=block)
     return out.view(*shape[:-1], inter)
 
 

@@ -10,8 +10,7 @@ class BlockManager:
     """Owns the free list. A sequence is anything with a `block_table` list of block ids."""
 
     def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
 
     @property
@@ -43,11 +42,6 @@ class BlockManager:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
 
-def kv_cache_shape(model, num_blocks: int, block_size: int) -> tuple:
-    """[2 (K and V), num_layers, num_blocks, block_size, num_kv_heads, head_dim] for one model."""
-    return (2, model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-
-
 def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
     """What one block id costs across every model that shares the pool (target and draft)."""
     per_token = sum(2 * m.num_layers * m.num_kv_heads * m.head_dim for m in models)
@@ -55,8 +49,10 @@ def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
-    """Allocate one model's cache and hand each attention layer its K and V views."""
-    cache = torch.zeros(kv_cache_shape(model, num_blocks, block_size), dtype=dtype, device=device)
+    """Allocate one model's cache, [2 (K and V), num_layers, num_blocks, block_size, num_kv_heads, head_dim],
+    and hand each attention layer its K and V views."""
+    shape = (2, model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    cache = torch.zeros(shape, dtype=dtype, device=device)
     for i, attn in enumerate(model.attention_layers()):
         attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
     return cache

@@ -116,7 +116,7 @@ def resume(spec: MLPSpeculator, out: str, optimizer) -> int:
     weights = {k.removeprefix("speculator."): v for k, v in saved.items()}
     if spec.vocab_ids is not None:
         weights["head.0.weight"] = weights["head.0.weight"][spec.vocab_ids]
-    spec.load_state_dict({n: weights[n] for n in weights}, strict=False)
+    spec.load_state_dict(weights, strict=False)
     moments = load_file(os.path.join(out, "optimizer.safetensors"))
     for name, p in spec.named_parameters():
         if f"{name}.exp_avg" in moments:

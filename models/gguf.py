@@ -66,7 +66,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     arch = meta["general.architecture"]
     if arch != "llama" or meta["tokenizer.ggml.model"] != "gpt2":
         raise ValueError(f"only llama models with a gpt2-style BPE vocab are supported, got {arch}")
-    n_heads, n_kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    hparam, ggml = lambda key: meta[f"{arch}.{key}"], lambda key: meta[f"tokenizer.ggml.{key}"]
+    n_heads, n_kv_heads = hparam("attention.head_count"), hparam("attention.head_count_kv")
 
     tensors = {}
     for t in reader.tensors:
@@ -87,28 +88,17 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
     tokens = meta["tokenizer.ggml.tokens"]
-    special = lambda key: tokens[meta[f"tokenizer.ggml.{key}_token_id"]]
+    special = lambda key: tokens[ggml(f"{key}_token_id")]
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": meta[f"{arch}.embedding_length"],
-        "intermediate_size": meta[f"{arch}.feed_forward_length"],
-        "num_hidden_layers": meta[f"{arch}.block_count"],
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": meta[f"{arch}.embedding_length"] // n_heads,
-        "rms_norm_eps": meta[f"{arch}.attention.layer_norm_rms_epsilon"],
-        "rope_theta": meta[f"{arch}.rope.freq_base"],
-        "max_position_embeddings": meta[f"{arch}.context_length"],
-        "vocab_size": len(tokens),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
-        "eos_token_id": meta["tokenizer.ggml.eos_token_id"],
-        "pad_token_id": meta["tokenizer.ggml.padding_token_id"],
-        "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hparam("embedding_length"), "intermediate_size": hparam("feed_forward_length"),
+        "num_hidden_layers": hparam("block_count"), "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads, "head_dim": hparam("embedding_length") // n_heads,
+        "rms_norm_eps": hparam("attention.layer_norm_rms_epsilon"), "rope_theta": hparam("rope.freq_base"),
+        "max_position_embeddings": hparam("context_length"), "vocab_size": len(tokens),
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        "tie_word_embeddings": "lm_head.weight" not in tensors, "bos_token_id": ggml("bos_token_id"),
+        "eos_token_id": ggml("eos_token_id"), "pad_token_id": ggml("padding_token_id"),
     }
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -117,13 +107,10 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # just loads tokenizer.json, nothing rebuilt
         "chat_template": meta["tokenizer.chat_template"],
-        "bos_token": special("bos"),
-        "eos_token": special("eos"),
-        "pad_token": special("padding"),
-        "unk_token": special("unknown"),
+        "bos_token": special("bos"), "eos_token": special("eos"),
+        "pad_token": special("padding"), "unk_token": special("unknown"),
         "add_bos_token": meta.get("tokenizer.ggml.add_bos_token", False),
-        "model_max_length": meta[f"{arch}.context_length"],
-        "clean_up_tokenization_spaces": False,
+        "model_max_length": hparam("context_length"), "clean_up_tokenization_spaces": False,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
@@ -139,10 +126,8 @@ def build_tokenizer(meta: dict) -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab, merges))
     # What HF SmolLM2's tokenizer.json does (llama.cpp "smollm" = a \p{N} split, then the GPT-2
     # regex): every digit is its own pre-token, then the GPT-2 split and byte-to-unicode mapping.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     # Control tokens keep their ids (they are already in the vocab) but must never be split by BPE.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)

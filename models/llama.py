@@ -21,11 +21,10 @@ def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
     if rope_type != "llama3":
         raise ValueError(f"config.json: unsupported rope scaling type {rope_type!r}")
     factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / rope["low_freq_factor"], old_len / rope["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    low_wavelen, high_wavelen, wavelen = old_len / low, old_len / high, 2 * math.pi / inv_freq
     # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)

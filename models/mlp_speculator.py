@@ -1,7 +1,6 @@
 # IBM-style MLP speculator (ibm-fms "accelerator" checkpoints, arXiv 2404.19124): n_predict small heads
 # that guess the next tokens from the target's final-norm hidden state and the last token. No KV cache,
 # no attention: it must never need anything from the target except that hidden state.
-import json
 import math
 import os
 
@@ -11,7 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from kernels import use_linears
-from models import read_checkpoint, resolve_dtype
+from models import read_checkpoint, read_config, resolve_dtype
 
 # Optional, beside the ibm-fms layout: the token ids a reduced head scores (other engines ignore the file).
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -35,11 +34,10 @@ class MLPSpeculator(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         self.emb_dim, self.vocab_size = config["emb_dim"], config["vocab_size"]
-        self.n_predict = config["n_predict"]
-        self.inner_dim = config.get("inner_dim") or self.emb_dim
+        self.n_predict = n = config["n_predict"]
+        self.inner_dim = inner = config.get("inner_dim") or self.emb_dim
         self.scale_input = config.get("scale_input", False)
         self.tie_weights = config.get("tie_weights", False)
-        n, inner = self.n_predict, self.inner_dim
         self.emb = nn.ModuleList(nn.Embedding(self.vocab_size, inner) for _ in range(n))
         self.proj = nn.ModuleList(nn.Linear(inner if i else self.emb_dim, inner, False) for i in range(n))
         self.head = nn.ModuleList(nn.Linear(inner, self.vocab_size, bias=False) for _ in range(n))
@@ -86,12 +84,9 @@ def tied_name(name: str) -> str:
 
 
 def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
-    config_file = os.path.join(path, "config.json")
-    if not os.path.exists(config_file):
-        raise FileNotFoundError(f"{config_file} not found (expected an MLP speculator folder)")
-    config = json.load(open(config_file))
+    config = read_config(path)
     if config.get("model_type") != "mlp_speculator":
-        raise ValueError(f"{config_file}: model_type {config.get('model_type')!r} is not 'mlp_speculator'")
+        raise ValueError(f"{path}: model_type {config.get('model_type')!r} is not 'mlp_speculator'")
     with torch.device("meta"):
         model = MLPSpeculator(config)
     dtype = resolve_dtype(dtype, config, device)
