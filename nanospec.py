@@ -543,10 +543,15 @@ class GoodputChooser:
 
 
 def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
-    """The request's own acceptance rate at draft positions 0..k-1 (given every earlier draft accepted),
-    starting from a cautious prior of 1/3 (one hit in three tries): a new request bets on long drafts
-    only after it has seen drafts accepted."""
-    return [(seq.accepted_per_position[i] + 1) / (seq.reached_per_position[i] + 3) for i in range(k)]
+    """The request's own acceptance rate at draft positions 0..k-1 (given every earlier draft accepted).
+    Each position's rate is shrunk toward the one before it, as if 3 earlier tries had gone that way; the
+    first toward a cautious 1/3. A new request bets on long drafts only after it has seen drafts accepted,
+    and a position it has not reached yet inherits its predecessor's rate (else K could never grow)."""
+    estimates, prior = [], 1 / 3
+    for i in range(k):
+        prior = (seq.accepted_per_position[i] + 3 * prior) / (seq.reached_per_position[i] + 3)
+        estimates.append(prior)
+    return estimates
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,10 +15,11 @@ def test_interpolate():
 
 def test_acceptance_estimate_is_per_request_and_cautious():
     seq = Sequence([1, 2, 3], SamplingParams(), "cpu")
-    assert acceptance_estimate(seq, 3) == [1 / 3] * 3  # nothing seen yet: the prior
-    seq.reached_per_position.update([0, 1, 0, 1])  # two steps: both accepted position 0, rejected 1
-    seq.accepted_per_position.update([0, 0])
-    assert acceptance_estimate(seq, 3) == [3 / 5, 1 / 5, 1 / 3]
+    assert acceptance_estimate(seq, 3) == pytest.approx([1 / 3] * 3)  # nothing seen yet: the prior
+    seq.reached_per_position.update([0, 0, 0, 0, 1])  # four steps reached position 0, one reached 1
+    seq.accepted_per_position.update([0, 0, 0, 0])  # all four accepted it; position 1 failed
+    a0 = (4 + 1) / (4 + 3)
+    assert acceptance_estimate(seq, 3) == pytest.approx([a0, 3 * a0 / 4, 3 * a0 / 4])  # 2 inherits from 1
 
 
 def test_chooser_turns_speculation_off_when_verification_is_expensive():
