@@ -21,7 +21,7 @@ install: $(STAMP)
 
 # The default model on input-grounded prompts: a plain run, then n-gram speculation with K chosen each step
 # (--draft without --num-spec-tokens means auto); the dtype is chosen for this CPU. Same text, faster.
-DEMO := $(BIN)/python nanospec.py --chat --prompts-file examples/grounded.jsonl --max-tokens 160
+DEMO := $(BIN)/python nanospec.py --chat --prompts-file examples/grounded.jsonl --max-tokens 256
 demo: install
 	$(DEMO)
 	$(DEMO) --draft ngram
