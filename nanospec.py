@@ -459,12 +459,13 @@ class DraftModelProposer:
         sequence's last) in forwards within the budget, as the target's prefill is chunked."""
         budget = engine.max_num_batched_tokens  # > 2 x the sequences drafting: each chunk makes progress
         while sum(len(s) - s.num_draft_cached for s in seqs) > budget:
-            chunk = []
+            chunk, room = [], budget
             for s in seqs:
                 start = s.num_draft_cached
-                n = min(len(s) - start - 1, budget - sum(len(t) for _, t, _ in chunk))
+                n = min(len(s) - start - 1, room)
                 if n > 0:
                     chunk.append((s, s.token_ids[start:start + n], start))
+                    room -= n
             engine.forward(self.model, chunk)
             for s, tokens, start in chunk:
                 s.num_draft_cached = start + len(tokens)
@@ -694,9 +695,9 @@ class LLMEngine:
         decoding = [s for s in self.running if s.phase == "decoding"]
         caps = [k_max if s.params.num_spec_tokens is None else min(k_max, s.params.num_spec_tokens)
                 for s in decoding]
-        if self.chooser:
-            caps = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)])
-        return {s.seq_id: k for s, k in zip(decoding, caps)}
+        ks = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)]) \
+            if self.chooser else caps
+        return {s.seq_id: k for s, k in zip(decoding, ks)}
 
     def grows_tree(self, seq: Sequence) -> bool:
         """Draft trees for coupled requests only: unseeded sampling's rejection sampler takes chains."""
@@ -940,13 +941,13 @@ class LLMEngine:
 
     def output(self, seq: Sequence) -> RequestOutput:
         first = seq.first_token_time or seq.finish_time
-        n = len(seq.output_ids)
+        num_tokens = len(seq.output_ids)
         return RequestOutput(
             seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, seq.text, seq.finish_reason,
             seq.num_drafted, seq.num_accepted, seq.num_spec_steps, seq.logprobs,
             {i: seq.accepted_per_position[i] / n for i, n in sorted(seq.drafted_per_position.items())},
             dict(seq.drafted_per_position),
-            ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(n - 1, 1),
+            ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(num_tokens - 1, 1),
             latency=seq.finish_time - seq.arrival_time)
 
 
