@@ -6,6 +6,9 @@
 // The caller owns every buffer; nothing here allocates or keeps state.
 #include <math.h>
 #include <stdint.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 typedef uint16_t bf16;  // raw bfloat16 bits: the top half of an fp32
 // One vector register of floats: 16 with AVX-512, 8 with AVX2, 4 otherwise (SSE, NEON).
@@ -46,44 +49,84 @@ static inline float load_f(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline float hsum(vf v) {  // a fixed pairwise tree: the same order for every call
-    float s[LANES];
-    __builtin_memcpy(s, &v, sizeof v);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; i++) s[i] += s[i + width];
-    return s[0];
+static inline vi iota(void) { vi v; for (int i = 0; i < LANES; i++) v[i] = i; return v; }
+
+static inline float hsum(vf v) {  // a fixed pairwise tree, lane i += lane i + width: the same for every call
+    for (int width = LANES / 2; width > 0; width /= 2) v += __builtin_shuffle(v, iota() + width);
+    return v[0];
+}
+
+static inline float hmax(vf v) {  // a max is exact in any order
+    for (int width = LANES / 2; width > 0; width /= 2) {
+        vf other = __builtin_shuffle(v, iota() + width);
+        vi larger = v > other;
+        v = (vf)(((vi)v & larger) | ((vi)other & ~larger));
+    }
+    return v[0];
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Linear: y[M, N] = x[M, K] W^T (+ bias). W is packed once at load time into panels of 16 output columns,
-// k-major: w[panel][k][16] (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows), one
-// to four vectors per panel row depending on the ISA. Each output y[m, n] is one fp32 fused multiply-add
-// chain over k = 0..K-1 from zero, then + bias: the same for any M, tile shape or thread count. A tile of
-// ROWS x PANELS outputs keeps its accumulators in registers and reads each weight element once for all its
-// rows, so small-M steps (decode, verify) stream the weights once: memory bound, and verifying K+1 rows
-// costs about what one row does. Accumulators: 6 rows x 4 panels = 24 of AVX-512's 32 vector registers;
-// 6 rows x 1 panel x 2 vectors = 12 of AVX2's 16; 2 rows x 1 panel x 4 vectors = 8 of the generic 16.
+// Linear: y[M, N] = x[M, K] W^T (+ bias). W is packed once at load time into panels of 16 output columns
+// (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows, K to an even count), walked in
+// pairs of k: fp32 w[panel][k / 2][2][16], bf16 w[panel][k / 2][16][2], a bf16 pair (k, k + 1) sharing one
+// 32-bit word. The AVX512-BF16 dot product reads that word as is; the FMA path widens its halves exactly
+// with one shift and one mask. A tile of ROWS x PANELS outputs keeps its accumulators in registers and
+// reads each weight element once for all its rows, so small-M steps (decode, verify) stream the weights
+// once: memory bound, and verifying K+1 rows costs about what one row does. Accumulators: 6 rows x 4
+// panels = 24 of AVX-512's 32 vector registers; 6 x 1 panel x 2 vectors = 12 of AVX2's 16; 2 x 1 x 4 = 8
+// of the generic 16. Each output y[m, n] is one fixed chain from zero, then + bias, the same for any M,
+// tile shape or thread count: fp32 FMAs over k = 0..K-1, or, with AVX512-BF16 (x and W both bf16), one
+// vdpbf16ps per pair of k (two exact products added to the fp32 sum), twice the MACs per instruction.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
 #define PANELS (LANES == 16 ? 4 : 1)
+
+static inline void load_pair(const void *w, int64_t pair_row, int v, int w_bf16, vf wk[2]) {
+    if (w_bf16) {  // pair_row: panel * K2 + k / 2; v: which LANES-wide slice of the panel's 16 columns
+        vu u;
+        __builtin_memcpy(&u, (const uint32_t *)w + pair_row * PANEL + v * LANES, sizeof u);
+        wk[0] = (vf)(u << 16), wk[1] = (vf)(u & 0xFFFF0000u);
+        return;
+    }
+    const float *f = (const float *)w + pair_row * 2 * PANEL + v * LANES;
+    __builtin_memcpy(&wk[0], f, sizeof(vf));
+    __builtin_memcpy(&wk[1], f + PANEL, sizeof(vf));
+}
+
+static inline uint32_t x_pair(const bf16 *x, int64_t i, int both) {  // x[i] low, x[i + 1] (or 0) high
+    uint32_t pair = x[i];
+    if (both) __builtin_memcpy(&pair, x + i, 4);
+    return pair;
+}
 
 static inline __attribute__((always_inline)) void
 linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, int panels, int64_t m0, int p0,
             int N, int K, int x_bf16, int w_bf16, int y_bf16)
 {
     vf acc[MAX_ROWS][PANELS * PV] = {};
-    int64_t panel_size = (int64_t)K * PANEL, w_elem = w_bf16 ? 2 : 4, y_elem = y_bf16 ? 2 : 4;
-    for (int k = 0; k < K; k++) {
-        vf wk[PANELS * PV];
-        for (int v = 0; v < panels * PV; v++) {
-            int64_t at = (p0 + v / PV) * panel_size + (int64_t)k * PANEL + v % PV * LANES;  // in elements
-            wk[v] = load_vf((const char *)w + at * w_elem, w_bf16);
+    int64_t K2 = (K + 1) / 2, y_elem = y_bf16 ? 2 : 4;
+#if defined(__AVX512BF16__)
+    if (x_bf16 && w_bf16) {
+        for (int64_t kp = 0; kp < K2; kp++) {
+            __m512bh wk[PANELS];
+            for (int p = 0; p < panels; p++)
+                wk[p] = (__m512bh)_mm512_loadu_si512((const uint32_t *)w + ((p0 + p) * K2 + kp) * PANEL);
+            for (int r = 0; r < rows; r++) {
+                __m512bh xk = (__m512bh)_mm512_set1_epi32(x_pair(x, (m0 + r) * K + 2 * kp, 2 * kp + 1 < K));
+                for (int p = 0; p < panels; p++) acc[r][p] = (vf)_mm512_dpbf16_ps((__m512)acc[r][p], xk, wk[p]);
+            }
         }
-        for (int r = 0; r < rows; r++) {
-            vf xk = (vf){} + load_f(x, (m0 + r) * K + k, x_bf16);
-            for (int v = 0; v < panels * PV; v++) acc[r][v] += xk * wk[v];  // contracted to an FMA
-        }
+    } else
+#endif
+    for (int64_t kp = 0; kp < K2; kp++) {
+        vf wk[PANELS * PV][2];
+        for (int v = 0; v < panels * PV; v++) load_pair(w, (p0 + v / PV) * K2 + kp, v % PV, w_bf16, wk[v]);
+        for (int k = 2 * kp; k < 2 * kp + 2 && k < K; k++)
+            for (int r = 0; r < rows; r++) {
+                vf xk = (vf){} + load_f(x, (m0 + r) * K + k, x_bf16);
+                for (int v = 0; v < panels * PV; v++) acc[r][v] += xk * wk[v][k & 1];  // contracted to an FMA
+            }
     }
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < panels * PV; v++) {
@@ -139,13 +182,16 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 
 // ---------------------------------------------------------------------------------------------------
 // Paged attention for packed queries q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D]: the
-// contract of torch_paged_attention, for prefill chunks, decode and verification alike. A work item is one
-// query and one KV head with its group of query heads. It reads its keys 0..position straight from the
-// cache in chunks of LANES keys from position 0, with an online softmax: the same arithmetic for a query at
-// a given position whatever the step around it. D must be a multiple of 16. A tree node (tree_pos set) reads
-// logical keys 0..tree_pos[t], the last tree_width of them from the physical positions in its tree_keys row.
+// contract of torch_paged_attention, for prefill chunks, decode and verification alike. A work item is up
+// to QUERY_BLOCK consecutive queries of one sequence and one KV head with its group of query heads. It reads
+// keys 0..position from the cache in chunks of LANES keys from position 0, widening each chunk once for all
+// its queries and heads; each (query, head) then runs its own online softmax over the chunks it sees: the
+// same arithmetic for a query at a given position whatever the step or block around it. D must be a
+// multiple of 16. A tree node (tree_pos set, one query per item) reads logical keys 0..tree_pos[t], the
+// last tree_width of them from the physical positions in its tree_keys row.
 #define MAX_GROUP 16
 #define MAX_DIM 256
+#define QUERY_BLOCK 8
 
 static inline vf exp_vf(vf x) {  // e^x for x <= 0 (e^-inf = 0): 2^n * e^r, |r| <= ln2/2, rel. error ~1e-7
     vi dead = x < -87.0f;
@@ -158,8 +204,6 @@ static inline vf exp_vf(vf x) {  // e^x for x <= 0 (e^-inf = 0): 2^n * e^r, |r| 
     vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)((vi)(p * (vf)scale) & ~dead);
 }
-
-static inline vi iota(void) { vi v; for (int i = 0; i < LANES; i++) v[i] = i; return v; }
 
 static inline int bit_reversed(int i) {  // i's log2(LANES) bits in reverse order
     int r = 0;
@@ -181,58 +225,67 @@ static inline vf sum_lanes(vf v[LANES]) {
 }
 
 static inline __attribute__((always_inline)) void
-attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out, int t,
-       int kv_head, int num_keys, int num_heads, int group, int block_size, int64_t slot_stride, float scale,
-       const int64_t *remap, int remap_from, const int chunks, const int is_bf16)
-{
-    int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4;
-    vf qv[MAX_GROUP][MAX_DIM / LANES], acc[MAX_GROUP][MAX_DIM / LANES], partial[MAX_GROUP][LANES];
-    float max_score[MAX_GROUP], total[MAX_GROUP];
-    int key_of_slot[LANES];
-    for (int i = 0; i < LANES; i++) key_of_slot[i] = bit_reversed(i);
-    for (int g = 0; g < group; g++) {
-        const char *qh = (const char *)q + (((int64_t)t * num_heads + kv_head * group + g) * head_dim) * elem;
+attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out, int t0,
+       int num_queries, int kv_head, int num_keys, int num_heads, int group, int block_size,
+       int64_t slot_stride, float scale, const int64_t *remap, int remap_from, const int chunks,
+       const int is_bf16)
+{   // query t0 + i sees keys 0..num_keys + i - 1
+    int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4, pairs = num_queries * group;
+    int all_keys = num_keys + num_queries - 1;
+    vf qv[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES], acc[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES];
+    vf keys[LANES][MAX_DIM / LANES], values[LANES][MAX_DIM / LANES];
+    float max_score[QUERY_BLOCK * MAX_GROUP], total[QUERY_BLOCK * MAX_GROUP];
+    for (int i = 0; i < pairs; i++) {  // pair i: query t0 + i / group, head i % group of the KV head's group
+        int64_t head = (int64_t)(t0 + i / group) * num_heads + kv_head * group + i % group;
         for (int c = 0; c < chunks; c++)
-            qv[g][c] = load_vf(qh + c * LANES * elem, is_bf16), acc[g][c] = (vf){};
-        max_score[g] = -INFINITY, total[g] = 0.0f;
+            qv[i][c] = load_vf((const char *)q + (head * head_dim + c * LANES) * elem, is_bf16), acc[i][c] = (vf){};
+        max_score[i] = -INFINITY, total[i] = 0.0f;
     }
-    for (int l0 = 0; l0 < num_keys; l0 += LANES) {
-        int64_t row[LANES];  // byte offset of keys l0..l0+15 for this KV head (past the last: a valid one)
-        for (int j = 0; j < LANES; j++) {
-            int64_t l = l0 + j < num_keys ? l0 + j : l0;
+    for (int l0 = 0; l0 < all_keys; l0 += LANES) {
+        for (int j = 0; j < LANES; j++) {  // key j in slot bit_reversed(j), the order sum_lanes wants
+            int64_t l = l0 + j < all_keys ? l0 + j : l0;  // past the last key: a valid one, masked below
             if (remap && l >= remap_from) l = remap[l - remap_from];  // a tree node's path
             int64_t slot = table[l / block_size] * block_size + l % block_size;
-            row[j] = (slot * slot_stride + kv_head * head_dim) * elem;
-        }
-        for (int i = 0; i < LANES; i++) {  // the products of key key_of_slot[i], per head, for sum_lanes
-            vf k[MAX_DIM / LANES];
-            for (int c = 0; c < chunks; c++)
-                k[c] = load_vf((const char *)k_cache + row[key_of_slot[i]] + c * LANES * elem, is_bf16);
-            for (int g = 0; g < group; g++) {
-                vf dot = {};
-                for (int c = 0; c < chunks; c++) dot += qv[g][c] * k[c];
-                partial[g][i] = dot;
+            int64_t at = (slot * slot_stride + kv_head * head_dim) * elem;  // in bytes
+            for (int c = 0; c < chunks; c++) {
+                keys[bit_reversed(j)][c] = load_vf((const char *)k_cache + at + c * LANES * elem, is_bf16);
+                values[j][c] = load_vf((const char *)v_cache + at + c * LANES * elem, is_bf16);
             }
         }
-        vi valid = l0 + iota() < num_keys;
-        for (int g = 0; g < group; g++) {
-            vf scores = sum_lanes(partial[g]) * scale;
-            scores = (vf)(((vi)scores & valid) | ((vi)((vf){} - INFINITY) & ~valid));
-            float new_max = max_score[g];
-            for (int j = 0; j < LANES; j++) new_max = scores[j] > new_max ? scores[j] : new_max;
-            float alpha = expf(max_score[g] - new_max);  // 0 on the first chunk (e^-inf)
-            vf p = exp_vf(scores - new_max);
-            total[g] = total[g] * alpha + hsum(p);
-            max_score[g] = new_max;
-            for (int c = 0; c < chunks; c++) acc[g][c] *= alpha;
-            for (int j = 0; j < LANES && l0 + j < num_keys; j++)
-                for (int c = 0; c < chunks; c++)
-                    acc[g][c] += p[j] * load_vf((const char *)v_cache + row[j] + c * LANES * elem, is_bf16);
+        // Phase by phase over the (query, head) pairs, so that the CPU overlaps their independent chains.
+        int active = pairs;  // the pairs whose query sees some key of this chunk: a prefix of them
+        while (active > 0 && num_keys + (active - 1) / group <= l0) active--;
+        vf p[QUERY_BLOCK * MAX_GROUP];
+        float alpha[QUERY_BLOCK * MAX_GROUP];
+        for (int i = 0; i < active; i++) {
+            vf partial[LANES];
+            for (int s = 0; s < LANES; s++) {
+                vf dot = {};
+                for (int c = 0; c < chunks; c++) dot += qv[i][c] * keys[s][c];
+                partial[s] = dot;
+            }
+            vi valid = iota() < num_keys + i / group - l0;
+            p[i] = sum_lanes(partial) * scale;
+            p[i] = (vf)(((vi)p[i] & valid) | ((vi)((vf){} - INFINITY) & ~valid));
+        }
+        for (int i = 0; i < active; i++) {
+            float new_max = fmaxf(max_score[i], hmax(p[i]));
+            alpha[i] = expf(max_score[i] - new_max);  // 0 on the first chunk (e^-inf)
+            p[i] = exp_vf(p[i] - new_max);
+            total[i] = total[i] * alpha[i] + hsum(p[i]);
+            max_score[i] = new_max;
+        }
+        for (int i = 0; i < active; i++) {
+            int seen = num_keys + i / group - l0;
+            for (int c = 0; c < chunks; c++) acc[i][c] *= alpha[i];
+            for (int j = 0; j < LANES && j < seen; j++)
+                for (int c = 0; c < chunks; c++) acc[i][c] += p[i][j] * values[j][c];
         }
     }
-    for (int g = 0; g < group; g++) {
-        char *oh = (char *)out + (((int64_t)t * num_heads + kv_head * group + g) * head_dim) * elem;
-        for (int c = 0; c < chunks; c++) store_vf(oh + c * LANES * elem, acc[g][c] / total[g], is_bf16);
+    for (int i = 0; i < pairs; i++) {
+        int64_t head = (int64_t)(t0 + i / group) * num_heads + kv_head * group + i % group;
+        for (int c = 0; c < chunks; c++)
+            store_vf((char *)out + (head * head_dim + c * LANES) * elem, acc[i][c] / total[i], is_bf16);
     }
 }
 
@@ -244,18 +297,22 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache, co
 {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
+    // Items start at every token; all but each block's first query return at once.
     #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (num_tokens * num_kv_heads > 4)
     for (int64_t item = 0; item < (int64_t)num_tokens * num_kv_heads; item++) {
         int t = (int)(item / num_kv_heads), kv_head = (int)(item % num_kv_heads), b = 0;
         while (query_start_loc[b + 1] <= t) b++;
-        int q_len = (int)(query_start_loc[b + 1] - query_start_loc[b]);
-        int num_keys = (int)seq_lens[b] - q_len + (t - (int)query_start_loc[b]) + 1;  // keys 0..position
+        int first = (int)query_start_loc[b], q_len = (int)(query_start_loc[b + 1] - first);
+        int block = tree_pos ? 1 : QUERY_BLOCK;
+        if ((t - first) % block) continue;
+        int num_queries = q_len - (t - first) < block ? q_len - (t - first) : block;
+        int num_keys = (int)seq_lens[b] - q_len + (t - first) + 1;  // keys 0..position
         if (tree_pos) num_keys = (int)tree_pos[t] + 1;
         const int64_t *remap = tree_pos ? tree_keys + (int64_t)t * tree_width : 0;
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
-#define ATTEND(CHUNKS, BF16) attend(q, k_cache, v_cache, table, out, t, kv_head, num_keys, num_heads, group, \
-                                    block_size, slot_stride, scale, remap, num_keys - tree_width, CHUNKS, \
-                                    BF16)
+#define ATTEND(CHUNKS, BF16) attend(q, k_cache, v_cache, table, out, t, num_queries, kv_head, num_keys, \
+                                    num_heads, group, block_size, slot_stride, scale, remap, \
+                                    num_keys - tree_width, CHUNKS, BF16)
         if (head_dim == 64 && is_bf16) ATTEND(64 / LANES, 1);  // the common shapes get constant loop bounds
         else if (head_dim == 64) ATTEND(64 / LANES, 0);
         else if (head_dim == 128 && is_bf16) ATTEND(128 / LANES, 1);

@@ -56,12 +56,14 @@ def get_context() -> AttentionContext:
 # The CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c
 # is compiled on first use with the system's C compiler into the cache dir and called through
 # ctypes. Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead.
-# The /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (-mavx2 ...).
-ISA_NEEDS = {"avx512": ["avx512f", "avx2", "fma", "f16c"], "avx2": ["avx2", "fma", "f16c"], "generic": []}
+# The /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (avx512_bf16:
+# -mavx512bf16). avx512bf16 adds the bf16 dot product to the linear layers.
+ISA_NEEDS = {"avx512bf16": ["avx512f", "avx512_bf16", "avx2", "fma", "f16c"],
+             "avx512": ["avx512f", "avx2", "fma", "f16c"], "avx2": ["avx2", "fma", "f16c"], "generic": []}
 
 
 def cpu_isa() -> str:
-    """The widest ISA this CPU runs, or NANOSPEC_ISA (avx512, avx2, generic): a big CPU can behave
+    """The widest ISA this CPU runs, or NANOSPEC_ISA (avx512bf16, avx512, avx2, generic): a big CPU can behave
     like a small one (set ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA too, for torch's own kernels)."""
     forced = os.environ.get("NANOSPEC_ISA")
     if forced and forced not in ISA_NEEDS:
@@ -98,7 +100,7 @@ def _load_cpu_kernels():
         return None
     isa = cpu_isa()
     command = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
-               "-Wno-psabi", *(f"-m{flag}" for flag in ISA_NEEDS[isa]), str(source)]
+               "-Wno-psabi", *(f"-m{flag.replace('_', '')}" for flag in ISA_NEEDS[isa]), str(source)]
     # Keyed by source, compiler and ISA flags: a cache on a shared disk never loads another CPU's build.
     key = hashlib.sha1(source.read_bytes() + " ".join(command).encode()).hexdigest()[:12]
     library = cache_dir() / f"cpu_kernels-{isa}-{key}.so"
@@ -112,6 +114,7 @@ def _load_cpu_kernels():
             warnings.warn(f"nanospec: could not build {source.name} ({error}); using the torch CPU path")
             return None
     lib = ctypes.CDLL(str(library))
+    lib.bf16_dot = isa == "avx512bf16"
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 6
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr, i32]
@@ -204,9 +207,12 @@ class Linear(nn.Module):
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> panels [ceil(N / 16), K, 16]: panel p, row k holds W[16p : 16p + 16, k] (zero-padded)."""
-    padded = F.pad(weight, (0, 0, 0, -weight.shape[0] % 16))
-    return padded.reshape(-1, 16, weight.shape[1]).transpose(1, 2).contiguous()
+    """[N, K] -> panels of 16 output columns (N zero-padded to a multiple of 16), k in pairs (K padded to
+    even): fp32 [N/16, K/2, 2, 16]; bf16 [N/16, K/2, 16, 2], so a pair of k shares one 32-bit word, the
+    operand of AVX512-BF16's dot product (cpu_kernels.c, "Linear")."""
+    n, k = weight.shape
+    pairs = F.pad(weight, (0, k % 2, 0, -n % 16)).reshape(-1, 16, (k + 1) // 2, 2)  # [panel, n, k / 2, 2]
+    return pairs.permute((0, 2, 1, 3) if weight.dtype == torch.bfloat16 else (0, 2, 3, 1)).contiguous()
 
 
 def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:
@@ -236,11 +242,13 @@ def torch_linear(x, weight, bias=None):
 
 
 def c_linear(x, packed, bias, out_features):
-    """cpu_kernels.c's linear: each output one fp32 FMA chain over k, the weights streamed once per call."""
+    """cpu_kernels.c's linear: each output one fixed fp32 chain over k, the weights streamed once per call."""
     rows = x.reshape(-1, x.shape[-1])
     out = x.new_empty(rows.shape[0], out_features)
-    # Several bf16 rows are widened once here (exactly): in the kernel each column group would redo it.
-    rows = rows.float() if len(rows) > 1 else rows.contiguous()
+    # The bf16 dot product takes bf16 rows as they are, at every M. For FMAs, several bf16 rows are widened
+    # once here (exactly): in the kernel each column group would redo it.
+    dot = cpu_kernels().bf16_dot and rows.dtype == packed.dtype == torch.bfloat16
+    rows = rows.float() if len(rows) > 1 and not dot else rows.contiguous()
     cpu_kernels().linear(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                          out.data_ptr(), out.shape[0], out_features, rows.shape[1],
                          *(t.dtype == torch.bfloat16 for t in (rows, packed, out)), torch.get_num_threads())

@@ -9,7 +9,7 @@ import kernels
 from test_kernels import make_paged_batch
 
 ROW_COUNTS = [1, 2, 5, 9, 33, 300]
-ISAS = ["avx512", "avx2", "generic"]
+ISAS = ["avx512bf16", "avx512", "avx2", "generic"]
 
 
 @pytest.fixture(params=ISAS)
