@@ -114,7 +114,8 @@ linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, i
                 wk[p] = (__m512bh)_mm512_loadu_si512((const uint32_t *)w + ((p0 + p) * K2 + kp) * PANEL);
             for (int r = 0; r < rows; r++) {
                 __m512bh xk = (__m512bh)_mm512_set1_epi32(x_pair(x, (m0 + r) * K + 2 * kp, 2 * kp + 1 < K));
-                for (int p = 0; p < panels; p++) acc[r][p] = (vf)_mm512_dpbf16_ps((__m512)acc[r][p], xk, wk[p]);
+                for (int p = 0; p < panels; p++)
+                    acc[r][p] = (vf)_mm512_dpbf16_ps((__m512)acc[r][p], xk, wk[p]);
             }
         }
     } else
@@ -237,8 +238,10 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     float max_score[QUERY_BLOCK * MAX_GROUP], total[QUERY_BLOCK * MAX_GROUP];
     for (int i = 0; i < pairs; i++) {  // pair i: query t0 + i / group, head i % group of the KV head's group
         int64_t head = (int64_t)(t0 + i / group) * num_heads + kv_head * group + i % group;
-        for (int c = 0; c < chunks; c++)
-            qv[i][c] = load_vf((const char *)q + (head * head_dim + c * LANES) * elem, is_bf16), acc[i][c] = (vf){};
+        for (int c = 0; c < chunks; c++) {
+            qv[i][c] = load_vf((const char *)q + (head * head_dim + c * LANES) * elem, is_bf16);
+            acc[i][c] = (vf){};
+        }
         max_score[i] = -INFINITY, total[i] = 0.0f;
     }
     for (int l0 = 0; l0 < all_keys; l0 += LANES) {
