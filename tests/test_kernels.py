@@ -215,7 +215,7 @@ def test_c_paged_attention_matches_torch(batch, block_size, num_heads, num_kv_he
 @needs_c_kernels
 @pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "bf16-w"])
-@pytest.mark.parametrize("rows,n,k", [(1, 37, 20), (7, 96, 64), (300, 160, 576), (0, 16, 8)])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 20), (5, 40, 33), (7, 96, 64), (300, 160, 576), (0, 16, 8)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_c_linear_matches_f_linear(rows, n, k, bias, x_dtype, w_dtype):
     weight = (0.1 * torch.randn(n, k)).to(w_dtype)
