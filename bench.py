@@ -9,7 +9,6 @@ import os
 import pkgutil
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -142,8 +141,7 @@ def machine_info(dtype, device):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps (bench.py kernels "
-                                             "--compile-only: the Triton kernels' GPU compile table)")
+    p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps")
     p.add_argument("--model", default="default", help="model folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="none,ngram", help="comma list of: none, ngram, suffix, PATH, mlp:PATH")
     p.add_argument("--num-spec-tokens", default="4", help="comma list of K values and/or 'auto'")
@@ -239,97 +237,7 @@ def sweep(args):
             json.dump({"args": vars(args), "machine": machine, "results": results}, f, indent=1)
 
 
-# Targets of `bench.py kernels --compile-only`: GPUTarget arguments, and the shared memory a block may use.
-COMPILE_TARGETS = {"sm_80": (("cuda", 80, 32), 163 << 10), "sm_90": (("cuda", 90, 32), 227 << 10),
-                   "gfx942": (("hip", "gfx942", 64), 64 << 10)}
-
-
-def compile_cases():
-    """The launches the Triton wrappers make (recorded on meta tensors) for fp32/fp16/bf16, head_dim 64 and
-    128, GQA groups 1, 3, 8, block sizes 1 and 16, split KV (contexts over KV_SEGMENT) and unsplit,
-    linears with and without bias."""
-    import kernels
-    kernels.meta_launches.clear()
-    meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")
-    longs = lambda *shape: meta(*shape, dtype=torch.int64)
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for d, group, kv, bs, q_len, batch, ctx in ((64, 1, 8, 16, 1, 64, 512), (128, 8, 2, 1, 1, 1, 8192),
-                                                     (128, 3, 4, 16, 9, 4, 2048), (64, 8, 8, 1, 8, 64, 1024)):
-            q_k = meta(batch * q_len, kv * (group + 1), d, dtype=dtype)  # a layer's q and k heads
-            cache = meta(ctx, bs, kv, d, dtype=dtype)
-            kernels.triton_rotary(q_k, meta(batch * q_len, d, dtype=dtype))
-            kernels.triton_store_kv(q_k[:, -kv:], q_k[:, -kv:], cache, cache, longs(batch * q_len))
-            tree = (longs(batch * q_len), longs(batch * q_len, 5)) if q_len == 9 else ()  # a draft tree
-            kernels.triton_paged_attention(q_k[:, :-kv], cache, cache, longs(batch, ctx // bs), longs(batch),
-                                           longs(batch + 1), d ** -0.5, q_len, ctx, *tree)
-        for hidden, residual in ((576, None), (8192, meta(4, 8192, dtype=dtype))):
-            kernels.triton_rms_norm(meta(4, hidden, dtype=dtype), meta(hidden, dtype=dtype), 1e-6, residual)
-            kernels.triton_silu_mul(meta(4, 2 * hidden, dtype=dtype))
-        for n, k, bias in ((1536, 576, None), (576, 1536, meta(576, dtype=dtype)), (49152, 576, None)):
-            kernels.triton_linear(meta(4, k, dtype=dtype), meta(n, k, dtype=dtype), bias)  # SmolLM2, lm_head
-    return list(kernels.meta_launches)
-
-
-def compile_launch(case: int, target: str) -> dict:
-    """triton.compile one recorded launch, specialised by Triton's own launch binder (argument types, ints
-    equal to 1, 16-byte alignment). Registers and stack bytes (spills, in practice) per thread come from
-    cuobjdump on NVIDIA and from the code object's notes on AMD."""
-    import re, subprocess, tempfile, triton
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-    kernel, args, options = compile_cases()[case]
-    target = triton.backends.compiler.GPUTarget(*COMPILE_TARGETS[target][0])
-    backend = make_backend(target)
-    bind = create_function_from_signature(kernel.signature, kernel.params, backend)
-    opts, signature, constexprs, attrs = kernel._pack_args(backend, options, *bind(*args, **options))
-    source = ASTSource(kernel, signature, constexprs, attrs)
-    compiled = triton.compile(source, target=target, options=opts.__dict__)
-    if target.backend == "hip":
-        usage = compiled.asm["amdgcn"].replace(".vgpr_count:", "REG:").replace("; ScratchSize:", "STACK:")
-    else:
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"]), f.flush()
-            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True, check=True).stdout
-    regs, stack = (int(re.search(rf"{key}\s*(\d+)", usage)[1]) for key in ("REG:", "STACK:"))
-    name, dtype = kernel.__name__.strip("_").removesuffix("_kernel"), signature[kernel.arg_names[0]][1:]
-    return dict(kernel=name, dtype=dtype, shared=compiled.metadata.shared, regs=regs, stack=stack,
-                constexprs={kernel.arg_names[i]: v for (i,), v in constexprs.items()})
-
-
-def compile_all():
-    """Every recorded launch compiled for every target (gfx942 only if this triton can), 2 processes."""
-    import concurrent.futures, multiprocessing
-    assert os.environ.get("TRITON_INTERPRET") != "1", "unset TRITON_INTERPRET: it compiles nothing"
-    skipped = {}
-    try:
-        compile_launch(0, "gfx942")
-    except Exception as e:  # noqa: BLE001 - whatever the reason, this wheel cannot target AMD
-        skipped["gfx942"] = f"this triton cannot compile for gfx942: {type(e).__name__}: {e}"[:300]
-    jobs = [(case, t) for t in COMPILE_TARGETS if t not in skipped for case in range(len(compile_cases()))]
-    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        rows = pool.map(compile_launch, *zip(*jobs))
-        return [dict(row, target=target) for row, (_, target) in zip(rows, jobs)], skipped
-
-
-def compile_kernels():
-    """bench.py kernels --compile-only: one table row per kernel x target x dtype, on any machine."""
-    rows, skipped = compile_all()
-    print("| kernel | target | dtype | launches | max shared B | limit B | max regs | max stack B (spills) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for key in dict.fromkeys((r["kernel"], r["target"], r["dtype"]) for r in rows):
-        group = [r for r in rows if (r["kernel"], r["target"], r["dtype"]) == key]
-        most = {field: max(r[field] for r in group) for field in ("shared", "regs", "stack")}
-        print(f"| {' | '.join(key)} | {len(group)} | {most['shared']} | {COMPILE_TARGETS[key[1]][1]} | "
-              f"{most['regs']} | {most['stack']} |")
-    for target, reason in skipped.items():
-        print(f"{target} skipped: {reason}")
-
-
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["kernels", "--compile-only"]:
-        return compile_kernels()
     sweep(parse_args(argv))
 
 
