@@ -10,7 +10,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from models import load_model
 from models.gguf import default_model_path
@@ -90,7 +90,7 @@ def frequent_tokens(labels: torch.Tensor, n: int, vocab_size: int) -> torch.Tens
     return torch.argsort(counts - torch.arange(vocab_size) / vocab_size, descending=True)[:n].sort().values
 
 
-def save(spec: MLPSpeculator, config: dict, out: str, optimizer, step: int, full_head: torch.Tensor):
+def save(spec: MLPSpeculator, config: dict, out: str, full_head: torch.Tensor):
     os.makedirs(out, exist_ok=True)
     names = ["emb.0.weight", "head.0.weight", "ln.0.weight", "ln.0.bias", "proj.0.weight"] + \
             (["proj.1.weight"] if spec.n_predict > 1 else [])
@@ -102,26 +102,6 @@ def save(spec: MLPSpeculator, config: dict, out: str, optimizer, step: int, full
     save_file(weights, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    moments = {f"{name}.{key}": value for name, p in spec.named_parameters() if p in optimizer.state
-               for key, value in optimizer.state[p].items() if torch.is_tensor(value)}
-    save_file(moments, os.path.join(out, "optimizer.safetensors"))
-    with open(os.path.join(out, "train_state.json"), "w") as f:
-        json.dump({"step": step}, f)
-
-
-def resume(spec: MLPSpeculator, out: str, optimizer) -> int:
-    if not os.path.exists(os.path.join(out, "train_state.json")):
-        return 0
-    saved = load_file(os.path.join(out, "model.safetensors"))
-    weights = {k.removeprefix("speculator."): v for k, v in saved.items()}
-    if spec.vocab_ids is not None:
-        weights["head.0.weight"] = weights["head.0.weight"][spec.vocab_ids]
-    spec.load_state_dict(weights, strict=False)
-    moments = load_file(os.path.join(out, "optimizer.safetensors"))
-    for name, p in spec.named_parameters():
-        if f"{name}.exp_avg" in moments:
-            optimizer.state[p] = {k: moments[f"{name}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
-    return json.load(open(os.path.join(out, "train_state.json")))["step"]
 
 
 def read_prompts(files: list[str], chat_tokenizer) -> list[str]:
@@ -138,18 +118,12 @@ def train(args):
     target_path = args.model or default_model_path()
     llm = LLM(target_path, dtype=args.dtype, max_num_seqs=32)
     spec, config = new_speculator(target_path, args.n_predict)
-    data_file = os.path.join(args.out, "data.safetensors")
-    if os.path.exists(data_file):  # resumable: the collected data is reused
-        data = load_file(data_file)
-    else:
-        prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
-        data = collect(llm, prompts, args.max_tokens)
-        if args.texts:  # read-only texts follow the generated ones, as further sequences
-            read = collect(llm, read_prompts(args.texts, llm.tokenizer)[:args.max_texts or None], 0)
-            read["doc"] = read["doc"] + int(data["doc"][-1]) + 1
-            data = {name: torch.cat([data[name], read[name]]) for name in data}
-        os.makedirs(args.out, exist_ok=True)
-        save_file(data, data_file)
+    prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
+    data = collect(llm, prompts, args.max_tokens)
+    if args.texts:  # read-only texts follow the generated ones, as further sequences
+        read = collect(llm, read_prompts(args.texts, llm.tokenizer)[:args.max_texts or None], 0)
+        read["doc"] = read["doc"] + int(data["doc"][-1]) + 1
+        data = {name: torch.cat([data[name], read[name]]) for name in data}
     # Every position whose next token is in the same sequence is a training example.
     positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()
     full_head = spec.head[0].weight.detach()  # a reduced head trains a copy of rows; save() puts them back
@@ -159,11 +133,10 @@ def train(args):
     small = [p for p in spec.parameters() if p.requires_grad and p is not head]
     optimizer = torch.optim.AdamW([{"params": small}, {"params": [head], "lr": args.lr * HEAD_LR_SCALE}],
                                   lr=args.lr, weight_decay=0.0)
-    step = resume(spec, args.out, optimizer)
-    generator = torch.Generator().manual_seed(args.seed + step)
+    generator = torch.Generator().manual_seed(args.seed)
     with Progress() as progress:
-        task = progress.add_task("training", total=args.steps, completed=step)
-        while step < args.steps:
+        task = progress.add_task("training", total=args.steps)
+        for _ in range(args.steps):
             batch = positions[torch.randint(len(positions), (args.batch_size,), generator=generator)]
             # bf16 matmuls (AMX on CPUs that have it) for the big vocabulary heads; weights stay fp32.
             with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
@@ -171,11 +144,9 @@ def train(args):
             optimizer.zero_grad()
             sum(losses).backward()
             optimizer.step()
-            step += 1
             description = "loss " + " ".join(f"{l.item():.2f}" for l in losses)
             progress.update(task, advance=1, description=description)
-            if step % args.save_every == 0 or step == args.steps:
-                save(spec, config, args.out, optimizer, step, full_head)
+    save(spec, config, args.out, full_head)
     return [l.item() for l in losses]
 
 
@@ -199,7 +170,6 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--dtype", default="bfloat16",
                    help="the target's dtype while collecting data (bfloat16 also autocasts training matmuls)")
     p.add_argument("--seed", type=int, default=0)
