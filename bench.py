@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from nanospec import LLM, SamplingParams, spec_metrics
+from nanospec import LLM, SamplingParams, read_prompts_file, spec_metrics
 
 # Functions of Python's standard library: an input-grounded workload any machine can build offline
 # (the model is asked to rewrite code that is in its prompt, where prompt lookup should shine).
@@ -61,11 +61,7 @@ def chat_workload() -> list[str]:
 
 def read_workload(spec: str) -> list[str]:
     builtin = {"grounded": grounded_workload, "chat": chat_workload}
-    if spec in builtin:
-        return builtin[spec]()
-    with open(spec) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [row["prompt"] if "prompt" in row else row["turns"][0] for row in rows]
+    return builtin[spec]() if spec in builtin else read_prompts_file(spec)
 
 
 def percentile(xs, q):
@@ -82,9 +78,6 @@ def run_nanospec(llm: LLM, prompts, params, repeat):
         elapsed = time.perf_counter() - start
         runs.append((sum(len(o.token_ids) for o in outs) / elapsed, elapsed, outs, dict(llm.k_histogram)))
     tok_s, elapsed, outs, k_hist = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-    drafted = sum(o.num_draft_tokens for o in outs)
-    accepted = sum(o.num_accepted_tokens for o in outs)
-    steps = sum(o.num_spec_steps for o in outs)
     return {
         "tok_s": tok_s, "req_s": len(prompts) / elapsed, "tok_s_runs": [r[0] for r in runs],
         "output_tokens": sum(len(o.token_ids) for o in outs),
@@ -93,13 +86,9 @@ def run_nanospec(llm: LLM, prompts, params, repeat):
         # Time from each request's first token to its last, per token after the first: decoding alone.
         "decode_ms_per_token": 1000 * sum(o.latency - o.ttft for o in outs)
                                / max(sum(len(o.token_ids) - 1 for o in outs), 1),
-        "drafted": drafted, "accepted": accepted,
-        "mean_accepted_length": 1 + accepted / steps if steps else None,
+        **spec_metrics(outs),  # drafted, accepted, mean_accepted_length, nodes_per_step, per position
         # per run, in order: from the second on, the same requests again (the suffix proposer remembers)
-        "mean_accepted_length_runs": [1 + sum(o.num_accepted_tokens for o in r[2])
-                                      / max(sum(o.num_spec_steps for o in r[2]), 1) for r in runs],
-        "nodes_per_step": drafted / steps if steps else None,
-        "acceptance_per_position": spec_metrics(outs)["acceptance_per_position"],
+        "mean_accepted_length_runs": [spec_metrics(r[2])["mean_accepted_length"] for r in runs],
         "k_per_step": k_hist,
         "token_ids": [o.token_ids for o in outs],  # compared with plain decoding's, then dropped
     }
@@ -195,7 +184,7 @@ def sweep(args):
             for b in batch_sizes:
                 n = args.num_prompts or b
                 prompts = [workload[i % len(workload)] for i in range(n)]
-                llm.max_num_seqs = b
+                llm.scheduler.max_num_seqs = b
                 # warm-up, on a prompt of its own: the suffix proposer remembers finished requests
                 llm.generate(["Hello"], SamplingParams(max_tokens=8), use_progress=False)
                 row = {"method": draft, "k": k, "tree": nodes, "batch": b,
