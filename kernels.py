@@ -1,9 +1,9 @@
 # The hot ops of every forward: linear layers, paged KV store, unified varlen paged attention, RMSNorm,
 # rotary and SiLU-and-mul. Each op has a plain-torch reference (`torch_*`), a Triton kernel (`triton_*`)
-# for GPUs unless it is elementwise and, on CPUs, C kernels (`c_*`, cpu_kernels.c) where they pay. One public function per op
-# picks, by one rule (`pick`). Every implementation computes a row the same way whatever else is in the
-# call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless forced (tests, under
-# TRITON_INTERPRET=1).
+# for GPUs unless it is elementwise, and on CPUs C kernels (`c_*`, cpu_kernels.c) where they pay. One
+# public function per op picks, by one rule (`pick`). Every implementation computes a row the same way
+# whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless
+# forced (tests, under TRITON_INTERPRET=1).
 import ctypes
 import hashlib
 import os
@@ -21,8 +21,8 @@ FORCE_TRITON = os.environ.get("NANOSPEC_TRITON") == "1"
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-step attention metadata. Set once per forward; every attention layer reads it, so nothing
-# has to be threaded through the model's call signatures.
+# Per-step attention metadata. The engine sets `context` around each forward; every attention layer
+# reads it, so nothing has to be threaded through the model's call signatures.
 @dataclass(slots=True)
 class AttentionContext:
     slot_mapping: torch.Tensor     # [T] cache slot of each new token (-1: do not store)
@@ -39,17 +39,7 @@ class AttentionContext:
     tree_keys: torch.Tensor | None = None
 
 
-_context: AttentionContext | None = None
-
-
-def set_context(ctx: AttentionContext | None):
-    global _context
-    _context = ctx
-
-
-def get_context() -> AttentionContext:
-    assert _context is not None, "attention called outside an engine step (no AttentionContext set)"
-    return _context
+context: AttentionContext | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +165,8 @@ def silu_mul(x):
 
 def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
-    ctx = get_context()
+    ctx = context
+    assert ctx is not None, "attention called outside an engine step (no AttentionContext set)"
     store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
     fn = pick(q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import kernels
-from kernels import AttentionContext, set_context
+from kernels import AttentionContext
 from models import eos_token_ids, load_model, load_tokenizer
 from paged_kv import BlockManager, allocate_kv_cache, bytes_per_block
 
@@ -201,23 +201,17 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros(logits.shape, device=logits.device).scatter_(-1, best, 1.0)
 
 
-def exp_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor:
-    """[len(seqs), vocab] Exp(1) noise from each request's own generator, for the rejection sampler
-    (unseeded sampling: greedy requests never reach it)."""
-    return torch.stack([clamped(torch.empty(vocab, device=device).exponential_(generator=s.generator))
-                        for s in seqs])
-
-
-def clamped(noise: torch.Tensor) -> torch.Tensor:
-    """Exp(1) draws away from 0: some devices return exact zeros, and 0 / 0 would win the argmax."""
+def exp_noise(generator: torch.Generator, vocab: int, device) -> torch.Tensor:
+    """[vocab] Exp(1) draws, kept away from 0: some devices return exact zeros, and 0 / 0 would win the
+    argmax."""
+    noise = torch.empty(vocab, device=device).exponential_(generator=generator)
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
 def position_noise(seq: Sequence, position: int, vocab: int, device) -> torch.Tensor:
     """Exp(1) noise for the token at `position` of seq, from a generator keyed by (seed, position):
     plain decoding and every speculative step draw the same noise for the same token."""
-    generator = torch.Generator(device=device).manual_seed(hash((seq.seed, position)) % 2**63)
-    return clamped(torch.empty(vocab, device=device).exponential_(generator=generator))
+    return exp_noise(torch.Generator(device=device).manual_seed(hash((seq.seed, position)) % 2**63), vocab, device)
 
 
 def sample_at(probs: torch.Tensor, seq: Sequence, position: int) -> int:
@@ -274,7 +268,7 @@ def accept_by_rejection(sampling: list[ScheduledSeq], logits: torch.Tensor) -> t
                                                    for it in sampling])
     uniform = pad([torch.rand(k, generator=it.seq.generator, device=device)
                    for it, k in zip(sampling, num_drafts)])
-    noise = exp_noise([it.seq for it in sampling], vocab, device)
+    noise = torch.stack([exp_noise(it.seq.generator, vocab, device) for it in sampling])  # the request's own
     num_accepted, next_tokens = rejection_sample(target_probs, draft_tokens, draft_probs,
                                                  torch.tensor(num_drafts, device=device), uniform, noise)
     return [list(range(n)) for n in num_accepted.tolist()], next_tokens.tolist()  # chains: paths 0..n-1
@@ -813,11 +807,11 @@ class LLMEngine:
             # A tree node's logical position (its depth past the last token) differs from its cache slot.
             positions, paths = tree_layout(batch, parents)
             ctx.tree_pos, ctx.tree_keys = positions.to(dev), tree_keys(positions, paths).to(dev)
-        set_context(ctx)
+        kernels.context = ctx
         try:
             hidden = model(input_ids.to(dev), positions.to(dev))
         finally:
-            set_context(None)
+            kernels.context = None
         return hidden, query_start_loc  # on the host: reading row ends from it never syncs the device
 
     # -- the step -------------------------------------------------------------------------------

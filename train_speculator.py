@@ -1,6 +1,5 @@
 # Train an MLP speculator for a target model by self-distillation (arXiv 2404.19124): the target
-# greedily continues a set of prompts (and reads more texts without continuing them), we record its
-# final-norm hidden states and its greedy next token at every position, and the heads learn to predict
+# greedily continues a set of prompts, we record its final-norm hidden states and its greedy next token at every position, and the heads learn to predict
 # the target's own next tokens. Writes an ibm-fms layout checkpoint (--draft mlp:DIR), plus the
 # reduced vocabulary its heads were trained on (draft_vocab.safetensors, read by nanospec only).
 # It must never train on the prompts it is later evaluated on: pass held-apart prompts to bench.py.
@@ -23,15 +22,12 @@ HEAD_LR_SCALE = 0.1  # the pretrained vocabulary head moves ten times slower tha
 
 @torch.inference_mode()
 def collect(llm: LLM, prompts: list, max_tokens: int) -> dict:
-    """The target's hidden states and greedy next tokens over each prompt plus its greedy continuation
-    (max_tokens 0: the prompt alone, one prefill, many times cheaper than decoding). Returns tokens [N],
-    hidden [N, H] (bf16), greedy [N] (the target's argmax next token after each position: a label
-    wherever the text is not the target's own) and doc [N] (which sequence each position is in)."""
-    if max_tokens:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-        sequences = [out.prompt_token_ids + out.token_ids for out in outs]
-    else:
-        sequences = [llm.tokenizer.encode(p)[:llm.max_model_len - 1] for p in prompts]
+    """The target's hidden states and greedy next tokens over each prompt plus its greedy continuation.
+    Returns tokens [N], hidden [N, H] (bf16), greedy [N] (the target's argmax next token after each
+    position: a label wherever the text is not the target's own) and doc [N] (which sequence each
+    position is in)."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    sequences = [out.prompt_token_ids + out.token_ids for out in outs]
     data = {"tokens": [], "hidden": [], "greedy": [], "doc": []}
     for doc, ids in enumerate(sequences):
         hidden = llm.hidden_states(ids)
@@ -120,10 +116,6 @@ def train(args):
     spec, config = new_speculator(target_path, args.n_predict)
     prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
     data = collect(llm, prompts, args.max_tokens)
-    if args.texts:  # read-only texts follow the generated ones, as further sequences
-        read = collect(llm, read_prompts(args.texts, llm.tokenizer)[:args.max_texts or None], 0)
-        read["doc"] = read["doc"] + int(data["doc"][-1]) + 1
-        data = {name: torch.cat([data[name], read[name]]) for name in data}
     # Every position whose next token is in the same sequence is a training example.
     positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()
     full_head = spec.head[0].weight.detach()  # a reduced head trains a copy of rows; save() puts them back
@@ -158,10 +150,6 @@ def parse_args(argv=None):
                    help="JSONL files and/or the built-in workload 'chat' (general requests); "
                         "never 'grounded' or MT-bench, which bench.py holds apart for evaluation")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
-    p.add_argument("--texts", nargs="*", default=[],
-                   help="JSONL files and/or built-in workloads read without generating (labels: the target's "
-                        "own next-token argmax)")
-    p.add_argument("--max-texts", type=int, default=0, help="use only the first N texts (0: all)")
     p.add_argument("--n-predict", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=4096,
                    help="heads score only the N tokens the target predicts most often in the data (0: all); "

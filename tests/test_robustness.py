@@ -224,7 +224,7 @@ def test_exponential_noise_is_clamped_away_from_zero(monkeypatch):
     probs = torch.tensor([0.0, 0.0, 0.7, 0.3])
     seq = nanospec.Sequence([1], SamplingParams(temperature=1.0, seed=3), "cpu")
     assert nanospec.sample_at(probs, seq, 5) == 2
-    assert bool((nanospec.exp_noise([seq], 4, "cpu") > 0).all())
+    assert bool((nanospec.exp_noise(seq.generator, 4, "cpu") > 0).all())
 
 
 def test_c_attention_over_a_long_context():
