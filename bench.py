@@ -10,6 +10,7 @@ import pkgutil
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,49 +24,18 @@ GROUNDED_SOURCES = ["textwrap.dedent", "shlex.split", "fnmatch.translate", "json
                     "textwrap.indent", "calendar.isleap", "colorsys.rgb_to_hsv", "glob.escape",
                     "difflib.get_close_matches", "difflib.unified_diff", "html.escape"]
 TASK = "Rewrite this function with a short comment above each block. Show the whole function."
-
-
-def grounded_workload() -> list[str]:
-    return [f"Here is a Python function:\n\n```python\n{inspect.getsource(pkgutil.resolve_name(name))}```\n\n"
-            f"{TASK}" for name in GROUNDED_SOURCES]
-
-
-# General-assistant requests for train_speculator.py: topics x kinds of task, written for nanospec so a
-# speculator can learn the target's chat answers offline. MT-bench stays held apart for evaluation.
-CHAT_TOPICS = ("photosynthesis, the French Revolution, machine learning, climate change, black holes, "
-               "the stock market, healthy eating, remote work, electric cars, the Roman Empire, "
-               "social media, vaccines, solar power, the human brain, volcanoes, coffee, chess, jazz, "
-               "ancient Egypt, quantum computers, recycling, time management, public speaking, gardening, "
-               "the water cycle, democracy, the internet, sleep, meditation, dinosaurs, the Moon landing, "
-               "friendship, city planning, coral reefs, the Renaissance, inflation, earthquakes, "
-               "video games, bees, the printing press, running a marathon, learning a language, "
-               "saving money, the Olympic Games, rainforests, space travel, Shakespeare, smartphones, honey, "
-               "the immune system, a small bakery, job interviews, volunteering, the ocean, trains, "
-               "mountains, music lessons, a rainy day, robots, the history of maps").split(", ")
-CHAT_TASKS = ["Write a short story about {}.", "Explain {} to a ten-year-old.",
-              "What are the pros and cons of {}?", "Write a poem about {}.",
-              "Give me five practical tips related to {}.", "Write a blog post about {}.",
-              "Describe the history of {} in three paragraphs.", "Write a persuasive speech about {}.",
-              "Create a quiz with three questions about {}, with answers.",
-              "Summarize what everyone should know about {}.",
-              "Write a dialogue between a teacher and a student about {}.",
-              "Write a product description inspired by {}."]
-
-
-def chat_workload() -> list[str]:
-    """Training prompts for train_speculator.py: every topic with every task, ordered so that any 60
-    consecutive prompts cover every topic and every task (prompt i: topic i % 60, task (i + i // 60) % 12)."""
-    n, tasks = len(CHAT_TOPICS), len(CHAT_TASKS)
-    return [CHAT_TASKS[(i + i // n) % tasks].format(CHAT_TOPICS[i % n]) for i in range(n * tasks)]
+# General-assistant requests for train_speculator.py, written for nanospec so a speculator can learn the
+# target's chat answers offline: topics x kinds of task, ordered so that any 60 in a row cover every topic
+# and every task. MT-bench stays held apart for evaluation.
+CHAT_FILE = Path(__file__).with_name("examples") / "chat.jsonl"
 
 
 def read_workload(spec: str) -> list[str]:
-    builtin = {"grounded": grounded_workload, "chat": chat_workload}
-    return builtin[spec]() if spec in builtin else read_prompts_file(spec)
-
-
-def percentile(xs, q):
-    return float(np.percentile(xs, q)) if xs else 0.0
+    """'grounded', 'chat' (built in) or a JSONL file."""
+    if spec == "grounded":
+        return [f"Here is a Python function:\n\n```python\n{inspect.getsource(pkgutil.resolve_name(name))}"
+                f"```\n\n{TASK}" for name in GROUNDED_SOURCES]
+    return read_prompts_file(CHAT_FILE if spec == "chat" else spec)
 
 
 def run_nanospec(llm: LLM, prompts, params, repeat):
@@ -81,8 +51,8 @@ def run_nanospec(llm: LLM, prompts, params, repeat):
     return {
         "tok_s": tok_s, "req_s": len(prompts) / elapsed, "tok_s_runs": [r[0] for r in runs],
         "output_tokens": sum(len(o.token_ids) for o in outs),
-        **{f"{name}_p{q}": percentile([getattr(o, name) for o in outs], q) for name in ("ttft", "tpot")
-           for q in (50, 90)},
+        **{f"{name}_p{q}": float(np.percentile([getattr(o, name) for o in outs], q))
+           for name in ("ttft", "tpot") for q in (50, 90)},
         # Time from each request's first token to its last, per token after the first: decoding alone.
         "decode_ms_per_token": 1000 * sum(o.latency - o.ttft for o in outs)
                                / max(sum(len(o.token_ids) - 1 for o in outs), 1),
