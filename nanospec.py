@@ -13,7 +13,6 @@ import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
@@ -163,8 +162,6 @@ def tree_keys(positions: torch.Tensor, paths: dict[int, list[int]]) -> torch.Ten
     return keys
 
 
-REJECTION_CHUNK_BYTES = 2**28  # bounds the rejection sampler's probability tensors per call
-
 # ---------------------------------------------------------------------------------------------
 # Sampling: probabilities after temperature / top-k / top-p, and the exponential race.
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +208,8 @@ def exp_noise(generator: torch.Generator, vocab: int, device) -> torch.Tensor:
 def position_noise(seq: Sequence, position: int, vocab: int, device) -> torch.Tensor:
     """Exp(1) noise for the token at `position` of seq, from a generator keyed by (seed, position):
     plain decoding and every speculative step draw the same noise for the same token."""
-    return exp_noise(torch.Generator(device=device).manual_seed(hash((seq.seed, position)) % 2**63), vocab, device)
+    generator = torch.Generator(device=device).manual_seed(hash((seq.seed, position)) % 2**63)
+    return exp_noise(generator, vocab, device)
 
 
 def sample_at(probs: torch.Tensor, seq: Sequence, position: int) -> int:
@@ -254,24 +252,17 @@ def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[
     return paths, next_tokens
 
 
-def accept_by_rejection(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Standard rejection sampling (unseeded requests): the batch padded to its longest draft."""
-    device, vocab = logits.device, logits.shape[-1]
-    pad = partial(torch.nn.utils.rnn.pad_sequence, batch_first=True)  # zeros after each sequence's rows
-    num_drafts = [len(it.drafts) for it in sampling]
-    seqs_per_row = [it.seq for it, k in zip(sampling, num_drafts) for _ in range(k + 1)]
-    target_probs = pad(logits_to_probs(logits, seqs_per_row).split([k + 1 for k in num_drafts]))
-    draft_tokens = pad([torch.tensor(it.drafts, dtype=torch.long, device=device) for it in sampling])
-    one_hot_drafts = all(it.draft_probs is None for it in sampling)
-    no_rows = torch.zeros(0, vocab, device=device)
-    draft_probs = None if one_hot_drafts else pad([no_rows if it.draft_probs is None else it.draft_probs
-                                                   for it in sampling])
-    uniform = pad([torch.rand(k, generator=it.seq.generator, device=device)
-                   for it, k in zip(sampling, num_drafts)])
-    noise = torch.stack([exp_noise(it.seq.generator, vocab, device) for it in sampling])  # the request's own
-    num_accepted, next_tokens = rejection_sample(target_probs, draft_tokens, draft_probs,
-                                                 torch.tensor(num_drafts, device=device), uniform, noise)
-    return [list(range(n)) for n in num_accepted.tolist()], next_tokens.tolist()  # chains: paths 0..n-1
+def accept_by_rejection(it: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Standard rejection sampling (unseeded requests) of one sequence's chain, from its logits [K+1, V].
+    Its uniforms, then its noise, come from the request's own generator."""
+    k, device = len(it.drafts), logits.device
+    target_probs = logits_to_probs(logits, [it.seq] * (k + 1))
+    uniform = torch.rand(k, generator=it.seq.generator, device=device)
+    num_accepted, token = rejection_sample(
+        target_probs[None], torch.tensor([it.drafts], dtype=torch.long, device=device),
+        None if it.draft_probs is None else it.draft_probs[None], torch.tensor([k], device=device),
+        uniform[None], exp_noise(it.seq.generator, logits.shape[-1], device)[None])
+    return list(range(int(num_accepted))), int(token)  # a chain: drafts 0..n-1
 
 
 def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
@@ -337,7 +328,8 @@ class NgramProposer:
         n, ends = suffix_matches(tokens, tokens, self.max_n)
         if n < self.min_n:
             return [], []
-        return draft_tree(continuations(tokens, ends[:1 if branches == 1 else None], depth), budget, branches, 0.0)
+        rows = continuations(tokens, ends[:1] if branches == 1 else ends, depth)
+        return draft_tree(rows, budget, branches, 0.0)
 
 
 def suffix_matches(hay: np.ndarray, context: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
@@ -470,8 +462,8 @@ class MLPProposer:
             state, logits = self.model.step(i, state, tokens)
             tokens = sample_drafts(items, logits)
         for item in items:  # every head ran for the whole batch; keep each request's own K
-            k = item.num_spec
-            item.drafts, item.parents, item.draft_probs = item.drafts[:k], item.parents[:k], item.draft_probs[:k]
+            del item.drafts[item.num_spec:], item.parents[item.num_spec:]
+            item.draft_probs = item.draft_probs[:item.num_spec]
 
 
 def sample_drafts(items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
@@ -565,7 +557,7 @@ class Scheduler:
     max_model_len: int
     num_spec_tokens: int | str              # K for every request, or "auto": the chooser's
     spec_disable_batch_size: int | None     # K = 0 while more sequences than this run
-    spec_tree_nodes: int                    # > 0: coupled requests verify draft trees of up to this many nodes
+    spec_tree_nodes: int                    # > 0: coupled requests verify trees of up to this many nodes
     stats: Counter                          # the engine's counters (preemptions)
     chooser: GoodputChooser | None = None
     waiting: deque = field(default_factory=deque)
@@ -574,8 +566,8 @@ class Scheduler:
     def choose_k(self) -> dict[int, int]:
         """K per decoding sequence this step (seq_id -> K; absent: 0). A request's own num_spec_tokens
         caps it; it never turns speculation on while the engine has it off."""
-        crowded = self.spec_disable_batch_size is not None and len(self.running) > self.spec_disable_batch_size
-        if not self.num_spec_tokens or crowded:
+        limit = self.spec_disable_batch_size
+        if not self.num_spec_tokens or (limit is not None and len(self.running) > limit):
             return {}
         k_max = self.chooser.k_max if self.chooser else self.num_spec_tokens
         decoding = [s for s in self.running if s.phase == "decoding"]
@@ -933,22 +925,15 @@ class LLMEngine:
 
 
 def accept(sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[list[int], int]]:
-    """(accepted path of draft indices, next_token) per sequence: coupled acceptance for greedy and
-    seeded requests, the rejection sampler for the others, in chunks that bound its [rows, K+1, V] fp32
-    tensors."""
+    """(accepted path of draft indices, next token) per sequence: the coupled acceptance for greedy and
+    seeded requests, all at once; the rejection sampler for the others, one sequence at a time."""
     starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
     coupled = [i for i, it in enumerate(sampling) if couples(it.seq)]
-    others = [i for i, it in enumerate(sampling) if not couples(it.seq)]
-    rows_per_seq = max(len(it.drafts) + 1 for it in sampling)
-    per_chunk = max(1, REJECTION_CHUNK_BYTES // (8 * logits.shape[-1] * rows_per_seq))
-    groups = [(coupled, accept_coupled)] + [(others[i:i + per_chunk], accept_by_rejection)
-                                             for i in range(0, len(others), per_chunk)]
-    results = {}
-    for group, accept_group in groups:
-        if group:
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in group]).to(logits.device)
-            results.update(zip(group, zip(*accept_group([sampling[i] for i in group], logits[rows]))))
-    return [results[i] for i in range(len(sampling))]
+    rows = torch.tensor([r for i in coupled for r in range(starts[i], starts[i + 1])], dtype=torch.long)
+    paths_tokens = accept_coupled([sampling[i] for i in coupled], logits[rows.to(logits.device)])
+    results = dict(zip(coupled, zip(*paths_tokens)))
+    return [results[i] if i in results else accept_by_rejection(it, logits[starts[i]:starts[i + 1]])
+            for i, it in enumerate(sampling)]
 
 
 class LLM(LLMEngine):
@@ -1033,8 +1018,8 @@ def spec_metrics(outputs: list[RequestOutput]) -> dict:
         for pos, rate in o.accepted_per_position.items():
             drafted[pos] += o.drafted_per_position[pos]
             accepted[pos] += rate * o.drafted_per_position[pos]
-    num_drafted, num_accepted = sum(o.num_draft_tokens for o in outputs), sum(o.num_accepted_tokens for o in outputs)
-    steps = sum(o.num_spec_steps for o in outputs)
+    num_drafted = sum(o.num_draft_tokens for o in outputs)
+    num_accepted, steps = sum(o.num_accepted_tokens for o in outputs), sum(o.num_spec_steps for o in outputs)
     return {"drafted": num_drafted, "accepted": num_accepted,
             "mean_accepted_length": 1 + num_accepted / steps if steps else None,
             "nodes_per_step": num_drafted / steps if steps else None,
