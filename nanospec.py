@@ -977,23 +977,19 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder or 'mlp:PATH' (MLP speculator)")
-    p.add_argument("--num-spec-tokens", help="K drafts per step, or 'auto' (the default with --draft)")
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=4)
-    p.add_argument("--spec-tree-nodes", type=int, default=0,
-                   help="verify a draft tree of up to N nodes per step (ngram, suffix); 0: a chain")
-    p.add_argument("--spec-disable-batch-size", type=int,
-                   help="run without speculation while more than this many sequences are running")
     p.add_argument("--logprobs", type=int, help="log-probs of each token and the N most likely, in --json")
     p.add_argument("--json", help="write one JSON object per request to this file")
+    # The engine's settings: a flag left out keeps LLMEngine's default.
+    p.add_argument("--dtype", help="auto (the default), float32, bfloat16 or float16")
+    p.add_argument("--device", help="cpu (the default) or cuda")
+    p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder or 'mlp:PATH' (MLP speculator)")
+    p.add_argument("--num-spec-tokens", help="K drafts per step, or 'auto' (the default with --draft)")
+    p.add_argument("--spec-tree-nodes", type=int, help="verify a tree of up to N drafts (ngram, suffix)")
+    p.add_argument("--spec-disable-batch-size", type=int,
+                   help="run without speculation while more than this many sequences are running")
+    for name in ("block-size", "num-blocks", "max-num-seqs", "max-num-batched-tokens", "max-model-len",
+                 "ngram-min", "ngram-max"):
+        p.add_argument(f"--{name}", type=int)
     return p.parse_args(argv)
 
 
@@ -1059,9 +1055,10 @@ def main(argv=None) -> int:
     k = args.num_spec_tokens
     args.num_spec_tokens = int(k) if k and k.isdigit() else k
     engine_args = inspect.signature(LLMEngine.__init__).parameters  # the flags named like LLMEngine's
+    settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
     try:
         params = SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
-        llm = LLM(**{name: value for name, value in vars(args).items() if name in engine_args})
+        llm = LLM(**settings)
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         prompts = prompts or ["Write a short poem about the sea."]
         if args.chat:
