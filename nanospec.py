@@ -635,8 +635,9 @@ class LLMEngine:
                  max_num_batched_tokens=2048, max_model_len: int | None = None, draft: str | None = None,
                  num_spec_tokens=None, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None,
                  suffix_max_requests=256, spec_tree_nodes=0):
+        draft = None if draft in ("", "none") else draft
         if num_spec_tokens is None:  # a draft without a K: auto
-            num_spec_tokens = 0 if draft in (None, "", "none") else "auto"
+            num_spec_tokens = "auto" if draft else 0
         k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
         for ok, problem in [  # checked before any model loads
             (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
@@ -645,7 +646,7 @@ class LLMEngine:
             (num_blocks is None or num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"),
             (num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
              f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}"),
-            (not num_spec_tokens or draft not in (None, "", "none"),
+            (not num_spec_tokens or draft,
              "num_spec_tokens > 0 needs a draft: 'ngram', 'suffix', a model folder or 'mlp:PATH'"),
             (max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one token "
                                                       f"plus {k} drafts, got {max_num_batched_tokens}"),
@@ -690,7 +691,7 @@ class LLMEngine:
             self.scheduler.chooser = GoodputChooser(k_max, self.profile_verify(max_num_seqs * (k_max + 1)))
 
     def make_proposer(self, draft, num_spec_tokens, ngram_min, ngram_max, suffix_max_requests, token_budget):
-        if draft in (None, "", "none"):
+        if draft is None:
             return None
         if draft == "ngram":
             return NgramProposer(ngram_min, ngram_max)
@@ -1024,23 +1025,22 @@ def spec_metrics(outputs: list[RequestOutput]) -> dict:
 
 def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     from rich.table import Column, Table
-    table = Table("metric", Column("value", justify="right"), title="nanospec run")
     num_tokens = sum(len(o.token_ids) for o in outputs)
-    median = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
-    rows = [("requests", len(outputs)), ("output tokens", num_tokens), ("elapsed (s)", f"{elapsed:.2f}"),
-            ("output tok/s", f"{num_tokens / elapsed:.1f}"),
-            ("TTFT median (ms)", f"{1000 * median([o.ttft for o in outputs]):.1f}"),
-            ("TPOT median (ms)", f"{1000 * median([o.tpot for o in outputs]):.1f}"),
-            ("dtype, kernels", f"{str(llm.dtype)[6:]}, {kernels.kernels_summary(llm.device)}")]
+    median_ms = lambda name: f"{1000 * float(np.median([getattr(o, name) for o in outputs])):.1f}"  # noqa: E731
+    rows = {"requests": len(outputs), "output tokens": num_tokens, "elapsed (s)": f"{elapsed:.2f}",
+            "output tok/s": f"{num_tokens / elapsed:.1f}", "TTFT median (ms)": median_ms("ttft"),
+            "TPOT median (ms)": median_ms("tpot"),
+            "dtype, kernels": f"{str(llm.dtype)[6:]}, {kernels.kernels_summary(llm.device)}"}
     if llm.proposer is not None:
         m = spec_metrics(outputs)  # None per step when no step speculated: 1 token a step, 0 nodes
-        rows += [("drafted tokens", m["drafted"]), ("accepted tokens", m["accepted"]),
-                 ("acceptance rate", f"{m['accepted'] / max(m['drafted'], 1):.2%}"),
-                 ("mean accepted length", f"{m['mean_accepted_length'] or 1:.2f}"),
-                 ("nodes verified per step", f"{m['nodes_per_step'] or 0:.2f}"),
-                 ("acceptance per depth", " ".join(f"{a:.2f}" for a in m["acceptance_per_position"])),
-                 ("K per step (K: steps)", " ".join(f"{k}:{n}" for k, n in sorted(llm.k_histogram.items())))]
-    for name, value in rows:
+        rows |= {"drafted tokens": m["drafted"], "accepted tokens": m["accepted"],
+                 "acceptance rate": f"{m['accepted'] / max(m['drafted'], 1):.2%}",
+                 "mean accepted length": f"{m['mean_accepted_length'] or 1:.2f}",
+                 "nodes verified per step": f"{m['nodes_per_step'] or 0:.2f}",
+                 "acceptance per depth": " ".join(f"{a:.2f}" for a in m["acceptance_per_position"]),
+                 "K per step (K: steps)": " ".join(f"{k}:{n}" for k, n in sorted(llm.k_histogram.items()))}
+    table = Table("metric", Column("value", justify="right"), title="nanospec run")
+    for name, value in rows.items():
         table.add_row(name, str(value))
     return table
 
