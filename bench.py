@@ -8,7 +8,6 @@ import json
 import os
 import pkgutil
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -84,7 +83,7 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
             is_eos = new == tokenizer.eos_token_id
             num_tokens += sum(int(row.nonzero()[0]) + 1 if row.any() else len(row) for row in is_eos)
         runs.append(num_tokens / (time.perf_counter() - start))
-    return {"tok_s": statistics.median(runs), "tok_s_runs": runs}
+    return {"tok_s": float(np.median(runs)), "tok_s_runs": runs}
 
 
 def machine_info(dtype, device):

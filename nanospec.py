@@ -25,7 +25,6 @@ from paged_kv import BlockManager, allocate_kv_cache, bytes_per_block
 
 # ---------------------------------------------------------------------------------------------
 # Requests
-# ---------------------------------------------------------------------------------------------
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -164,7 +163,6 @@ def tree_keys(positions: torch.Tensor, paths: dict[int, list[int]]) -> torch.Ten
 
 # ---------------------------------------------------------------------------------------------
 # Sampling: probabilities after temperature / top-k / top-p, and the exponential race.
-# ---------------------------------------------------------------------------------------------
 def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """[R, V] logits of rows owned by seqs -> float32 probs. Greedy rows become one-hot argmax,
     which makes the rejection sampler reduce exactly to "accept while draft == argmax"."""
@@ -307,7 +305,6 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
 # ---------------------------------------------------------------------------------------------
 # Proposers: each fills item.drafts (<= item.num_spec tokens) and item.draft_probs, or a draft tree
 # (item.drafts and item.parents, parents before children) of <= num_spec nodes and max_depth levels.
-# ---------------------------------------------------------------------------------------------
 class NgramProposer:
     """Prompt lookup: find the first occurrence of the longest suffix n-gram (n in [min_n, max_n])
     in prompt + output and propose the tokens that followed it. The first occurrence is usually in
@@ -481,7 +478,6 @@ def sample_drafts(items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tens
 
 # ---------------------------------------------------------------------------------------------
 # Dynamic speculation: --num-spec-tokens auto
-# ---------------------------------------------------------------------------------------------
 def interpolate(table: dict[int, float], x: int) -> float:
     """Piecewise-linear lookup in a {size: seconds} table; proportional beyond the largest size."""
     sizes = sorted(table)
@@ -545,7 +541,6 @@ def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
 
 # ---------------------------------------------------------------------------------------------
 # The scheduler: what each step computes. It never runs a model.
-# ---------------------------------------------------------------------------------------------
 @dataclass
 class Scheduler:
     """Admission (waiting prompts in chunks, while blocks and the token budget allow), K per decoding
@@ -628,7 +623,6 @@ class Scheduler:
 
 # ---------------------------------------------------------------------------------------------
 # The engine: one step is schedule -> propose -> verify -> accept -> commit
-# ---------------------------------------------------------------------------------------------
 class LLMEngine:
     def __init__(self, model: str | None = None, dtype="auto", device="cpu", block_size=16,
                  num_blocks: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs=64,
@@ -965,7 +959,6 @@ class LLM(LLMEngine):
 
 # ---------------------------------------------------------------------------------------------
 # CLI
-# ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="nanospec: generate with (speculative) decoding")
     p.add_argument("--model", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
