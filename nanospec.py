@@ -303,8 +303,9 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
 
 
 # ---------------------------------------------------------------------------------------------
-# Proposers: each fills item.drafts (<= item.num_spec tokens) and item.draft_probs, or a draft tree
-# (item.drafts and item.parents, parents before children) of <= num_spec nodes and max_depth levels.
+# Proposers: each fills item.drafts and item.parents (per draft, its parent draft: a chain's is the one
+# before), a tree of <= num_spec nodes and max_depth levels, parents before children; model drafts also
+# fill item.draft_probs.
 class NgramProposer:
     """Prompt lookup: find the first occurrence of the longest suffix n-gram (n in [min_n, max_n])
     in prompt + output and propose the tokens that followed it. The first occurrence is usually in
