@@ -3,10 +3,8 @@
 # transformers). Speed claims live here, never in unit tests. It must never mix numbers from
 # different runs, dtypes or machines into one ratio.
 import argparse
-import inspect
 import json
 import os
-import pkgutil
 import platform
 import time
 from pathlib import Path
@@ -16,25 +14,18 @@ import torch
 
 from nanospec import LLM, SamplingParams, read_prompts_file, spec_metrics
 
-# Functions of Python's standard library: an input-grounded workload any machine can build offline
-# (the model is asked to rewrite code that is in its prompt, where prompt lookup should shine).
-GROUNDED_SOURCES = ["textwrap.dedent", "shlex.split", "fnmatch.translate", "json.dumps", "base64.b64encode",
-                    "string.capwords", "statistics.median", "heapq.merge", "heapq.nlargest",
-                    "textwrap.indent", "calendar.isleap", "colorsys.rgb_to_hsv", "glob.escape",
-                    "difflib.get_close_matches", "difflib.unified_diff", "html.escape"]
-TASK = "Rewrite this function with a short comment above each block. Show the whole function."
-# General-assistant requests for train_speculator.py, written for nanospec so a speculator can learn the
-# target's chat answers offline: topics x kinds of task, ordered so that any 60 in a row cover every topic
-# and every task. MT-bench stays held apart for evaluation.
-CHAT_FILE = Path(__file__).with_name("examples") / "chat.jsonl"
+# The built-in workloads, in examples/. 'grounded': 16 functions of Python's standard library (3.11) to
+# rewrite with comments, an input-grounded workload where prompt lookup should shine. 'chat': general-
+# assistant requests for train_speculator.py, written for nanospec so a speculator can learn the target's
+# chat answers offline (topics x kinds of task, any 60 in a row cover every topic and every task).
+# MT-bench stays held apart for evaluation.
+WORKLOADS = {"grounded": "bench_grounded.jsonl", "chat": "chat.jsonl"}
 
 
 def read_workload(spec: str) -> list[str]:
-    """'grounded', 'chat' (built in) or a JSONL file."""
-    if spec == "grounded":
-        return [f"Here is a Python function:\n\n```python\n{inspect.getsource(pkgutil.resolve_name(name))}"
-                f"```\n\n{TASK}" for name in GROUNDED_SOURCES]
-    return read_prompts_file(CHAT_FILE if spec == "chat" else spec)
+    """A built-in workload's prompts, or a JSONL file's."""
+    path = Path(__file__).with_name("examples") / WORKLOADS[spec] if spec in WORKLOADS else spec
+    return read_prompts_file(path)
 
 
 def run_nanospec(llm: LLM, prompts, params, repeat):
