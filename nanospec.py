@@ -411,7 +411,8 @@ class DraftModelProposer:
     into the engine for one thing: its varlen forward."""
 
     def __init__(self, model, max_num_batched_tokens: int):
-        self.model, self.budget = model, max_num_batched_tokens
+        self.model = model
+        self.budget = max_num_batched_tokens  # > 2 x the sequences drafting: each catch-up chunk makes progress
 
     def propose(self, engine, items: list[ScheduledSeq]):
         seqs = [item.seq for item in items]
@@ -429,7 +430,7 @@ class DraftModelProposer:
     def catch_up(self, engine, seqs: list[Sequence]):
         """While the tokens the draft lacks exceed the step's token budget, feed them (all but each
         sequence's last) in forwards within the budget, as the target's prefill is chunked."""
-        while sum(len(s) - s.num_draft_cached for s in seqs) > self.budget:  # > 2 x the sequences drafting
+        while sum(len(s) - s.num_draft_cached for s in seqs) > self.budget:
             chunk, room = [], self.budget
             for s in seqs:
                 start = s.num_draft_cached
