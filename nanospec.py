@@ -412,7 +412,7 @@ class DraftModelProposer:
 
     def __init__(self, model, max_num_batched_tokens: int):
         self.model = model
-        self.budget = max_num_batched_tokens  # > 2 x the sequences drafting: each catch-up chunk makes progress
+        self.budget = max_num_batched_tokens  # > 2 x the sequences drafting: each chunk makes progress
 
     def propose(self, engine, items: list[ScheduledSeq]):
         seqs = [item.seq for item in items]
@@ -1021,7 +1021,7 @@ def spec_metrics(outputs: list[RequestOutput]) -> dict:
 def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     from rich.table import Column, Table
     num_tokens = sum(len(o.token_ids) for o in outputs)
-    median_ms = lambda name: f"{1000 * float(np.median([getattr(o, name) for o in outputs])):.1f}"  # noqa: E731
+    median_ms = lambda name: f"{1000 * np.median([getattr(o, name) for o in outputs]):.1f}"  # noqa: E731
     rows = {"requests": len(outputs), "output tokens": num_tokens, "elapsed (s)": f"{elapsed:.2f}",
             "output tok/s": f"{num_tokens / elapsed:.1f}", "TTFT median (ms)": median_ms("ttft"),
             "TPOT median (ms)": median_ms("tpot"),
