@@ -1,7 +1,8 @@
 # Train an MLP speculator for a target model by self-distillation (arXiv 2404.19124): the target
-# greedily continues a set of prompts, we record its final-norm hidden states and its greedy next token at every position, and the heads learn to predict
-# the target's own next tokens. Writes an ibm-fms layout checkpoint (--draft mlp:DIR), plus the
-# reduced vocabulary its heads were trained on (draft_vocab.safetensors, read by nanospec only).
+# greedily continues a set of prompts, we record its final-norm hidden states and its greedy next token
+# at every position, and the heads learn to predict the target's own next tokens. Writes an ibm-fms
+# layout checkpoint (--draft mlp:DIR), plus the reduced vocabulary its heads were trained on
+# (draft_vocab.safetensors, read by nanospec only).
 # It must never train on the prompts it is later evaluated on: pass held-apart prompts to bench.py.
 import argparse
 import json
