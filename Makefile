@@ -32,7 +32,7 @@ test: install
 bench: install
 	$(BIN)/python bench.py --draft none,ngram --num-spec-tokens 4,auto --batch-sizes 1,4,16
 
-# Self-distil an MLP speculator for the default model from offline prompts (bench.py's general chat requests).
+# Self-distil an MLP speculator for the default model from offline prompts (examples/chat.jsonl).
 speculator: install
 	$(BIN)/python train_speculator.py --out $(SPECULATOR) --prompts chat
 

@@ -3,74 +3,29 @@
 # transformers). Speed claims live here, never in unit tests. It must never mix numbers from
 # different runs, dtypes or machines into one ratio.
 import argparse
-import inspect
 import json
 import os
-import pkgutil
 import platform
-import statistics
-import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from nanospec import LLM, SamplingParams, spec_metrics
+from nanospec import LLM, SamplingParams, read_prompts_file, spec_metrics
 
-# Functions of Python's standard library: an input-grounded workload any machine can build offline
-# (the model is asked to rewrite code that is in its prompt, where prompt lookup should shine).
-GROUNDED_SOURCES = ["textwrap.dedent", "shlex.split", "fnmatch.translate", "json.dumps", "base64.b64encode",
-                    "string.capwords", "statistics.median", "heapq.merge", "heapq.nlargest",
-                    "textwrap.indent", "calendar.isleap", "colorsys.rgb_to_hsv", "glob.escape",
-                    "difflib.get_close_matches", "difflib.unified_diff", "html.escape"]
-TASK = "Rewrite this function with a short comment above each block. Show the whole function."
-
-
-def grounded_workload() -> list[str]:
-    return [f"Here is a Python function:\n\n```python\n{inspect.getsource(pkgutil.resolve_name(name))}```\n\n"
-            f"{TASK}" for name in GROUNDED_SOURCES]
-
-
-# General-assistant requests for train_speculator.py: topics x kinds of task, written for nanospec so a
-# speculator can learn the target's chat answers offline. MT-bench stays held apart for evaluation.
-CHAT_TOPICS = ("photosynthesis, the French Revolution, machine learning, climate change, black holes, "
-               "the stock market, healthy eating, remote work, electric cars, the Roman Empire, "
-               "social media, vaccines, solar power, the human brain, volcanoes, coffee, chess, jazz, "
-               "ancient Egypt, quantum computers, recycling, time management, public speaking, gardening, "
-               "the water cycle, democracy, the internet, sleep, meditation, dinosaurs, the Moon landing, "
-               "friendship, city planning, coral reefs, the Renaissance, inflation, earthquakes, "
-               "video games, bees, the printing press, running a marathon, learning a language, "
-               "saving money, the Olympic Games, rainforests, space travel, Shakespeare, smartphones, honey, "
-               "the immune system, a small bakery, job interviews, volunteering, the ocean, trains, "
-               "mountains, music lessons, a rainy day, robots, the history of maps").split(", ")
-CHAT_TASKS = ["Write a short story about {}.", "Explain {} to a ten-year-old.",
-              "What are the pros and cons of {}?", "Write a poem about {}.",
-              "Give me five practical tips related to {}.", "Write a blog post about {}.",
-              "Describe the history of {} in three paragraphs.", "Write a persuasive speech about {}.",
-              "Create a quiz with three questions about {}, with answers.",
-              "Summarize what everyone should know about {}.",
-              "Write a dialogue between a teacher and a student about {}.",
-              "Write a product description inspired by {}."]
-
-
-def chat_workload() -> list[str]:
-    """Training prompts for train_speculator.py: every topic with every task, ordered so that any 60
-    consecutive prompts cover every topic and every task (prompt i: topic i % 60, task (i + i // 60) % 12)."""
-    n, tasks = len(CHAT_TOPICS), len(CHAT_TASKS)
-    return [CHAT_TASKS[(i + i // n) % tasks].format(CHAT_TOPICS[i % n]) for i in range(n * tasks)]
+# The built-in workloads, in examples/. 'grounded': 16 functions of Python's standard library (3.11) to
+# rewrite with comments, an input-grounded workload where prompt lookup should shine. 'chat': general-
+# assistant requests for train_speculator.py, written for nanospec so a speculator can learn the target's
+# chat answers offline (topics x kinds of task, any 60 in a row cover every topic and every task).
+# MT-bench stays held apart for evaluation.
+WORKLOADS = {"grounded": "bench_grounded.jsonl", "chat": "chat.jsonl"}
 
 
 def read_workload(spec: str) -> list[str]:
-    builtin = {"grounded": grounded_workload, "chat": chat_workload}
-    if spec in builtin:
-        return builtin[spec]()
-    with open(spec) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [row["prompt"] if "prompt" in row else row["turns"][0] for row in rows]
-
-
-def percentile(xs, q):
-    return float(np.percentile(xs, q)) if xs else 0.0
+    """A built-in workload's prompts, or a JSONL file's."""
+    path = Path(__file__).with_name("examples") / WORKLOADS[spec] if spec in WORKLOADS else spec
+    return read_prompts_file(path)
 
 
 def run_nanospec(llm: LLM, prompts, params, repeat):
@@ -83,24 +38,17 @@ def run_nanospec(llm: LLM, prompts, params, repeat):
         elapsed = time.perf_counter() - start
         runs.append((sum(len(o.token_ids) for o in outs) / elapsed, elapsed, outs, dict(llm.k_histogram)))
     tok_s, elapsed, outs, k_hist = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-    drafted = sum(o.num_draft_tokens for o in outs)
-    accepted = sum(o.num_accepted_tokens for o in outs)
-    steps = sum(o.num_spec_steps for o in outs)
     return {
         "tok_s": tok_s, "req_s": len(prompts) / elapsed, "tok_s_runs": [r[0] for r in runs],
         "output_tokens": sum(len(o.token_ids) for o in outs),
-        **{f"{name}_p{q}": percentile([getattr(o, name) for o in outs], q) for name in ("ttft", "tpot")
-           for q in (50, 90)},
+        **{f"{name}_p{q}": float(np.percentile([getattr(o, name) for o in outs], q))
+           for name in ("ttft", "tpot") for q in (50, 90)},
         # Time from each request's first token to its last, per token after the first: decoding alone.
         "decode_ms_per_token": 1000 * sum(o.latency - o.ttft for o in outs)
                                / max(sum(len(o.token_ids) - 1 for o in outs), 1),
-        "drafted": drafted, "accepted": accepted,
-        "mean_accepted_length": 1 + accepted / steps if steps else None,
+        **spec_metrics(outs),  # drafted, accepted, mean_accepted_length, nodes_per_step, per position
         # per run, in order: from the second on, the same requests again (the suffix proposer remembers)
-        "mean_accepted_length_runs": [1 + sum(o.num_accepted_tokens for o in r[2])
-                                      / max(sum(o.num_spec_steps for o in r[2]), 1) for r in runs],
-        "nodes_per_step": drafted / steps if steps else None,
-        "acceptance_per_position": spec_metrics(outs)["acceptance_per_position"],
+        "mean_accepted_length_runs": [spec_metrics(r[2])["mean_accepted_length"] for r in runs],
         "k_per_step": k_hist,
         "token_ids": [o.token_ids for o in outs],  # compared with plain decoding's, then dropped
     }
@@ -126,7 +74,7 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
             is_eos = new == tokenizer.eos_token_id
             num_tokens += sum(int(row.nonzero()[0]) + 1 if row.any() else len(row) for row in is_eos)
         runs.append(num_tokens / (time.perf_counter() - start))
-    return {"tok_s": statistics.median(runs), "tok_s_runs": runs}
+    return {"tok_s": float(np.median(runs)), "tok_s_runs": runs}
 
 
 def machine_info(dtype, device):
@@ -142,8 +90,7 @@ def machine_info(dtype, device):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps (bench.py kernels "
-                                             "--compile-only: the Triton kernels' GPU compile table)")
+    p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps")
     p.add_argument("--model", default="default", help="model folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="none,ngram", help="comma list of: none, ngram, suffix, PATH, mlp:PATH")
     p.add_argument("--num-spec-tokens", default="4", help="comma list of K values and/or 'auto'")
@@ -197,7 +144,7 @@ def sweep(args):
             for b in batch_sizes:
                 n = args.num_prompts or b
                 prompts = [workload[i % len(workload)] for i in range(n)]
-                llm.max_num_seqs = b
+                llm.scheduler.max_num_seqs = b
                 # warm-up, on a prompt of its own: the suffix proposer remembers finished requests
                 llm.generate(["Hello"], SamplingParams(max_tokens=8), use_progress=False)
                 row = {"method": draft, "k": k, "tree": nodes, "batch": b,
@@ -239,97 +186,7 @@ def sweep(args):
             json.dump({"args": vars(args), "machine": machine, "results": results}, f, indent=1)
 
 
-# Targets of `bench.py kernels --compile-only`: GPUTarget arguments, and the shared memory a block may use.
-COMPILE_TARGETS = {"sm_80": (("cuda", 80, 32), 163 << 10), "sm_90": (("cuda", 90, 32), 227 << 10),
-                   "gfx942": (("hip", "gfx942", 64), 64 << 10)}
-
-
-def compile_cases():
-    """The launches the Triton wrappers make (recorded on meta tensors) for fp32/fp16/bf16, head_dim 64 and
-    128, GQA groups 1, 3, 8, block sizes 1 and 16, split KV (contexts over KV_SEGMENT) and unsplit,
-    linears with and without bias."""
-    import kernels
-    kernels.meta_launches.clear()
-    meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")
-    longs = lambda *shape: meta(*shape, dtype=torch.int64)
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for d, group, kv, bs, q_len, batch, ctx in ((64, 1, 8, 16, 1, 64, 512), (128, 8, 2, 1, 1, 1, 8192),
-                                                     (128, 3, 4, 16, 9, 4, 2048), (64, 8, 8, 1, 8, 64, 1024)):
-            q_k = meta(batch * q_len, kv * (group + 1), d, dtype=dtype)  # a layer's q and k heads
-            cache = meta(ctx, bs, kv, d, dtype=dtype)
-            kernels.triton_rotary(q_k, meta(batch * q_len, d, dtype=dtype))
-            kernels.triton_store_kv(q_k[:, -kv:], q_k[:, -kv:], cache, cache, longs(batch * q_len))
-            tree = (longs(batch * q_len), longs(batch * q_len, 5)) if q_len == 9 else ()  # a draft tree
-            kernels.triton_paged_attention(q_k[:, :-kv], cache, cache, longs(batch, ctx // bs), longs(batch),
-                                           longs(batch + 1), d ** -0.5, q_len, ctx, *tree)
-        for hidden, residual in ((576, None), (8192, meta(4, 8192, dtype=dtype))):
-            kernels.triton_rms_norm(meta(4, hidden, dtype=dtype), meta(hidden, dtype=dtype), 1e-6, residual)
-            kernels.triton_silu_mul(meta(4, 2 * hidden, dtype=dtype))
-        for n, k, bias in ((1536, 576, None), (576, 1536, meta(576, dtype=dtype)), (49152, 576, None)):
-            kernels.triton_linear(meta(4, k, dtype=dtype), meta(n, k, dtype=dtype), bias)  # SmolLM2, lm_head
-    return list(kernels.meta_launches)
-
-
-def compile_launch(case: int, target: str) -> dict:
-    """triton.compile one recorded launch, specialised by Triton's own launch binder (argument types, ints
-    equal to 1, 16-byte alignment). Registers and stack bytes (spills, in practice) per thread come from
-    cuobjdump on NVIDIA and from the code object's notes on AMD."""
-    import re, subprocess, tempfile, triton
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-    kernel, args, options = compile_cases()[case]
-    target = triton.backends.compiler.GPUTarget(*COMPILE_TARGETS[target][0])
-    backend = make_backend(target)
-    bind = create_function_from_signature(kernel.signature, kernel.params, backend)
-    opts, signature, constexprs, attrs = kernel._pack_args(backend, options, *bind(*args, **options))
-    source = ASTSource(kernel, signature, constexprs, attrs)
-    compiled = triton.compile(source, target=target, options=opts.__dict__)
-    if target.backend == "hip":
-        usage = compiled.asm["amdgcn"].replace(".vgpr_count:", "REG:").replace("; ScratchSize:", "STACK:")
-    else:
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"]), f.flush()
-            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-                                   capture_output=True, text=True, check=True).stdout
-    regs, stack = (int(re.search(rf"{key}\s*(\d+)", usage)[1]) for key in ("REG:", "STACK:"))
-    name, dtype = kernel.__name__.strip("_").removesuffix("_kernel"), signature[kernel.arg_names[0]][1:]
-    return dict(kernel=name, dtype=dtype, shared=compiled.metadata.shared, regs=regs, stack=stack,
-                constexprs={kernel.arg_names[i]: v for (i,), v in constexprs.items()})
-
-
-def compile_all():
-    """Every recorded launch compiled for every target (gfx942 only if this triton can), 2 processes."""
-    import concurrent.futures, multiprocessing
-    assert os.environ.get("TRITON_INTERPRET") != "1", "unset TRITON_INTERPRET: it compiles nothing"
-    skipped = {}
-    try:
-        compile_launch(0, "gfx942")
-    except Exception as e:  # noqa: BLE001 - whatever the reason, this wheel cannot target AMD
-        skipped["gfx942"] = f"this triton cannot compile for gfx942: {type(e).__name__}: {e}"[:300]
-    jobs = [(case, t) for t in COMPILE_TARGETS if t not in skipped for case in range(len(compile_cases()))]
-    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        rows = pool.map(compile_launch, *zip(*jobs))
-        return [dict(row, target=target) for row, (_, target) in zip(rows, jobs)], skipped
-
-
-def compile_kernels():
-    """bench.py kernels --compile-only: one table row per kernel x target x dtype, on any machine."""
-    rows, skipped = compile_all()
-    print("| kernel | target | dtype | launches | max shared B | limit B | max regs | max stack B (spills) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for key in dict.fromkeys((r["kernel"], r["target"], r["dtype"]) for r in rows):
-        group = [r for r in rows if (r["kernel"], r["target"], r["dtype"]) == key]
-        most = {field: max(r[field] for r in group) for field in ("shared", "regs", "stack")}
-        print(f"| {' | '.join(key)} | {len(group)} | {most['shared']} | {COMPILE_TARGETS[key[1]][1]} | "
-              f"{most['regs']} | {most['stack']} |")
-    for target, reason in skipped.items():
-        print(f"{target} skipped: {reason}")
-
-
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["kernels", "--compile-only"]:
-        return compile_kernels()
     sweep(parse_args(argv))
 
 

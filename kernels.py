@@ -1,9 +1,9 @@
 # The hot ops of every forward: linear layers, paged KV store, unified varlen paged attention, RMSNorm,
 # rotary and SiLU-and-mul. Each op has a plain-torch reference (`torch_*`), a Triton kernel (`triton_*`)
-# for GPUs and, on CPUs, C kernels (`c_*`, cpu_kernels.c) where they pay. One public function per op
-# picks, by one rule (`pick`). Every implementation computes a row the same way whatever else is in the
-# call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless forced (tests, under
-# TRITON_INTERPRET=1).
+# for GPUs unless it is elementwise, and on CPUs C kernels (`c_*`, cpu_kernels.c) where they pay. One
+# public function per op picks, by one rule (`pick`). Every implementation computes a row the same way
+# whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless
+# forced (tests, under TRITON_INTERPRET=1).
 import ctypes
 import hashlib
 import os
@@ -21,8 +21,8 @@ FORCE_TRITON = os.environ.get("NANOSPEC_TRITON") == "1"
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-step attention metadata. Set once per forward; every attention layer reads it, so nothing
-# has to be threaded through the model's call signatures.
+# Per-step attention metadata. The engine sets `context` around each forward; every attention layer
+# reads it, so nothing has to be threaded through the model's call signatures.
 @dataclass(slots=True)
 class AttentionContext:
     slot_mapping: torch.Tensor     # [T] cache slot of each new token (-1: do not store)
@@ -39,17 +39,7 @@ class AttentionContext:
     tree_keys: torch.Tensor | None = None
 
 
-_context: AttentionContext | None = None
-
-
-def set_context(ctx: AttentionContext | None):
-    global _context
-    _context = ctx
-
-
-def get_context() -> AttentionContext:
-    assert _context is not None, "attention called outside an engine step (no AttentionContext set)"
-    return _context
+context: AttentionContext | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,18 +155,21 @@ def rms_norm(x, weight, eps, residual=None):
     return pick(x, triton_rms_norm, bf16_c, torch_rms_norm)(x, weight, eps, residual)
 
 
+# Elementwise ops have no Triton kernel: each output element is one fixed formula of its inputs, so
+# torch is row-invariant for them on CUDA too (C on a CPU only saves bf16 rotary's memory traffic).
 def rotary(x, cos_sin):
     bf16_c = c_rotary if x.dtype == cos_sin.dtype == torch.bfloat16 else None
-    return pick(x, triton_rotary, bf16_c, torch_rotary)(x, cos_sin)
+    return pick(x, torch_rotary, bf16_c, torch_rotary)(x, cos_sin)
 
 
 def silu_mul(x):
-    return pick(x, triton_silu_mul, None, torch_silu_mul)(x)
+    return torch_silu_mul(x)
 
 
 def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
-    ctx = get_context()
+    ctx = context
+    assert ctx is not None, "attention called outside an engine step (no AttentionContext set)"
     store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
     fn = pick(q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention)
@@ -368,14 +361,9 @@ def _pow2(n, at_least=1):
     return max(at_least, triton.next_power_of_2(n))
 
 
-meta_launches = []  # launches of meta tensors, recorded here instead of run (bench.py kernels --compile-only)
-
-
 def _launch(kernel, grid, args, num_warps, **constexprs):
-    """Every wrapper launches through here: an empty grid (no rows) does nothing, and on meta tensors it
-    only records what would be compiled."""
-    if args[0].device.type == "meta":
-        return meta_launches.append((kernel, args, dict(constexprs, num_warps=num_warps)))
+    """Every wrapper launches through here (tests/test_compile.py records the launches): an empty grid
+    (no rows) does nothing."""
     if min(grid) > 0:
         kernel[grid](*args, **constexprs, num_warps=num_warps)
 
@@ -599,63 +587,8 @@ def triton_rms_norm(x, weight, eps, residual=None):
     return out.view(shape) if residual is None else (out.view(shape), summed.view(shape))
 
 
-@triton.jit
-def _rotary_kernel(x_ptr, out_ptr, cos_sin_ptr, stride_xt, stride_xh, stride_cs, num_heads,
-                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
-    """One token's [heads, 2 * HALF] rows: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, HEADS_PAD)[:, None]
-    cols = tl.arange(0, HALF_PAD)[None, :]
-    mask = (heads < num_heads) & (cols < HALF)
-    cos = tl.load(cos_sin_ptr + token * stride_cs + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + token * stride_cs + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    x1_ptrs = x_ptr + token * stride_xt + heads * stride_xh + cols
-    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1_ptrs = out_ptr + (token * num_heads + heads) * (2 * HALF) + cols  # out is contiguous
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out1_ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(out1_ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
-
-
-def triton_rotary(x, cos_sin):
-    """One program per token rotates all its heads with one cos/sin row (read once): a [heads, D/2] tile
-    per half, elementwise and tiny, so 4 warps. Math in fp32 (the reference multiplies in x's dtype, so
-    fp16/bf16 results can differ by an ulp)."""
-    num_tokens, num_heads, head_dim = x.shape
-    assert x.stride(2) == cos_sin.stride(1) == 1
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(_rotary_kernel, (num_tokens,), (x, out, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0),
-            num_heads), 4, HALF=head_dim // 2, HEADS_PAD=_pow2(num_heads), HALF_PAD=_pow2(head_dim // 2))
-    return out
-
-
-@triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def triton_silu_mul(x):
-    """Grid (rows, column blocks of up to 1024): elementwise, bandwidth bound; 1024 columns keep 4
-    warps at 8 elements per thread, and a second grid dim keeps wide MLPs (I ~ 14k) spread out."""
-    shape, inter = x.shape, x.shape[-1] // 2
-    x2 = _as_rows(x)
-    out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
-    block = min(_pow2(inter), 1024)
-    _launch(_silu_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)), (x2, out, x2.stride(0), inter), 4,
-            BLOCK=block)
-    return out.view(*shape[:-1], inter)
-
-
 if not HAS_TRITON:
     def _triton_missing(*args, **kwargs):
         raise RuntimeError("Triton is not installed (pip install triton); the torch_* ops still work")
 
-    triton_store_kv = triton_linear = triton_paged_attention = triton_rms_norm = triton_rotary = \
-        triton_silu_mul = _triton_missing
+    triton_store_kv = triton_linear = triton_paged_attention = triton_rms_norm = _triton_missing

@@ -5,6 +5,7 @@
 # the target model would not have produced with the same sampling (greedy: exactly the same tokens).
 import argparse
 import heapq
+import inspect
 import itertools
 import json
 import math
@@ -17,14 +18,13 @@ import numpy as np
 import torch
 
 import kernels
-from kernels import AttentionContext, set_context
+from kernels import AttentionContext
 from models import eos_token_ids, load_model, load_tokenizer
 from paged_kv import BlockManager, allocate_kv_cache, bytes_per_block
 
 
 # ---------------------------------------------------------------------------------------------
 # Requests
-# ---------------------------------------------------------------------------------------------
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -122,6 +122,7 @@ class ScheduledSeq:
     num_spec: int                    # lookahead slots reserved for drafts this step: the node budget
     samples: bool                    # this step reaches the end of the sequence, so it emits tokens
     max_depth: int = 0               # K: the longest draft path (a chain: num_spec)
+    branches: int = 1                # children a draft node may have (1: a chain)
     drafts: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)  # per draft: its parent draft, -1 = the last token
     draft_probs: torch.Tensor | None = None  # [len(drafts), V]; None = one-hot drafts (n-gram)
@@ -160,11 +161,8 @@ def tree_keys(positions: torch.Tensor, paths: dict[int, list[int]]) -> torch.Ten
     return keys
 
 
-REJECTION_CHUNK_BYTES = 2**28  # bounds the rejection sampler's probability tensors per call
-
 # ---------------------------------------------------------------------------------------------
 # Sampling: probabilities after temperature / top-k / top-p, and the exponential race.
-# ---------------------------------------------------------------------------------------------
 def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """[R, V] logits of rows owned by seqs -> float32 probs. Greedy rows become one-hot argmax,
     which makes the rejection sampler reduce exactly to "accept while draft == argmax"."""
@@ -198,16 +196,10 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros(logits.shape, device=logits.device).scatter_(-1, best, 1.0)
 
 
-def exp_noise(seqs: list[Sequence], vocab: int, device) -> torch.Tensor:
-    """[len(seqs), vocab] Exp(1) noise from each request's own generator, for the rejection sampler
-    (unseeded requests). Greedy rows need no noise."""
-    return torch.stack([torch.ones(vocab, device=device) if s.params.temperature == 0 else
-                        clamped(torch.empty(vocab, device=device).exponential_(generator=s.generator))
-                        for s in seqs])
-
-
-def clamped(noise: torch.Tensor) -> torch.Tensor:
-    """Exp(1) draws away from 0: some devices return exact zeros, and 0 / 0 would win the argmax."""
+def exp_noise(generator: torch.Generator, vocab: int, device) -> torch.Tensor:
+    """[vocab] Exp(1) draws, kept away from 0: some devices return exact zeros, and 0 / 0 would win the
+    argmax."""
+    noise = torch.empty(vocab, device=device).exponential_(generator=generator)
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
@@ -215,7 +207,7 @@ def position_noise(seq: Sequence, position: int, vocab: int, device) -> torch.Te
     """Exp(1) noise for the token at `position` of seq, from a generator keyed by (seed, position):
     plain decoding and every speculative step draw the same noise for the same token."""
     generator = torch.Generator(device=device).manual_seed(hash((seq.seed, position)) % 2**63)
-    return clamped(torch.empty(vocab, device=device).exponential_(generator=generator))
+    return exp_noise(generator, vocab, device)
 
 
 def sample_at(probs: torch.Tensor, seq: Sequence, position: int) -> int:
@@ -258,31 +250,17 @@ def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[
     return paths, next_tokens
 
 
-def accept_by_rejection(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Standard rejection sampling (unseeded requests): the batch padded to its longest draft."""
-    device = logits.device
-    max_k = max(len(it.drafts) for it in sampling)
-    vocab = logits.shape[-1]
-    seqs_per_row = [it.seq for it in sampling for _ in range(len(it.drafts) + 1)]
-    probs_rows = logits_to_probs(logits, seqs_per_row).split([len(it.drafts) + 1 for it in sampling])
-    target_probs = torch.zeros(len(sampling), max_k + 1, vocab, device=device)
-    draft_tokens = torch.zeros(len(sampling), max_k, dtype=torch.long, device=device)
-    one_hot_drafts = all(it.draft_probs is None for it in sampling)
-    draft_probs = None if one_hot_drafts else torch.zeros(len(sampling), max_k, vocab, device=device)
-    uniform = torch.zeros(len(sampling), max_k, device=device)
-    for b, (it, p) in enumerate(zip(sampling, probs_rows)):
-        k = len(it.drafts)
-        target_probs[b, :k + 1] = p
-        draft_tokens[b, :k] = torch.tensor(it.drafts, dtype=torch.long)
-        if draft_probs is not None and k:
-            draft_probs[b, :k] = it.draft_probs
-        if k and it.seq.params.temperature > 0:
-            uniform[b, :k] = torch.rand(k, generator=it.seq.generator, device=device)
-    noise = exp_noise([it.seq for it in sampling], vocab, device)
-    num_drafts = torch.tensor([len(it.drafts) for it in sampling], device=device)
-    num_accepted, next_tokens = rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform,
-                                                 noise)
-    return [list(range(n)) for n in num_accepted.tolist()], next_tokens.tolist()  # chains: paths 0..n-1
+def accept_by_rejection(it: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Standard rejection sampling (unseeded requests) of one sequence's chain, from its logits [K+1, V].
+    Its uniforms, then its noise, come from the request's own generator."""
+    k, device = len(it.drafts), logits.device
+    target_probs = logits_to_probs(logits, [it.seq] * (k + 1))
+    uniform = torch.rand(k, generator=it.seq.generator, device=device)
+    num_accepted, token = rejection_sample(
+        target_probs[None], torch.tensor([it.drafts], dtype=torch.long, device=device),
+        None if it.draft_probs is None else it.draft_probs[None], torch.tensor([k], device=device),
+        uniform[None], exp_noise(it.seq.generator, logits.shape[-1], device)[None])
+    return list(range(int(num_accepted))), int(token)  # a chain: drafts 0..n-1
 
 
 def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
@@ -325,9 +303,9 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
 
 
 # ---------------------------------------------------------------------------------------------
-# Proposers: each fills item.drafts (<= item.num_spec tokens) and item.draft_probs, or a draft tree
-# (item.drafts and item.parents, parents before children) of <= num_spec nodes and max_depth levels.
-# ---------------------------------------------------------------------------------------------
+# Proposers: each fills item.drafts and item.parents (per draft, its parent draft: a chain's is the one
+# before), a tree of <= num_spec nodes and max_depth levels, parents before children; model drafts also
+# fill item.draft_probs.
 class NgramProposer:
     """Prompt lookup: find the first occurrence of the longest suffix n-gram (n in [min_n, max_n])
     in prompt + output and propose the tokens that followed it. The first occurrence is usually in
@@ -339,21 +317,17 @@ class NgramProposer:
 
     def propose(self, engine, items: list[ScheduledSeq]):
         for item in items:
-            branches = item.num_spec if engine.grows_tree(item.seq) else 1
             tokens = np.asarray(item.seq.token_ids)
-            item.drafts, item.parents = self.tree(tokens, item.num_spec, item.max_depth, branches)
+            item.drafts, item.parents = self.tree(tokens, item.num_spec, item.max_depth, item.branches)
 
     def tree(self, tokens: np.ndarray, budget: int, depth: int, branches: int) -> tuple[list[int], list[int]]:
         """A chain (branches = 1): the first occurrence's continuation. A tree: those of every occurrence,
         the most frequent first."""
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            # windows[i] = tokens[i : i+n] for every start whose n-gram ends before the suffix itself
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(hits):
-                return draft_tree(continuations(tokens, hits[:1 if branches == 1 else None] + n - 1, depth),
-                                  budget, branches, 0.0)
-        return [], []
+        n, ends = suffix_matches(tokens, tokens, self.max_n)
+        if n < self.min_n:
+            return [], []
+        rows = continuations(tokens, ends[:1] if branches == 1 else ends, depth)
+        return draft_tree(rows, budget, branches, 0.0)
 
 
 def suffix_matches(hay: np.ndarray, context: np.ndarray, max_len: int) -> tuple[int, np.ndarray]:
@@ -433,10 +407,12 @@ class SuffixProposer:
 
 
 class DraftModelProposer:
-    """A small model with the target's vocabulary, sharing the target's block tables and slots."""
+    """A small model with the target's vocabulary, sharing the target's block tables and slots. It reaches
+    into the engine for one thing: its varlen forward."""
 
-    def __init__(self, model):
+    def __init__(self, model, max_num_batched_tokens: int):
         self.model = model
+        self.budget = max_num_batched_tokens  # > 2 x the sequences drafting: each chunk makes progress
 
     def propose(self, engine, items: list[ScheduledSeq]):
         seqs = [item.seq for item in items]
@@ -448,27 +424,28 @@ class DraftModelProposer:
             if i > 0:  # then one token per step: the draft's own previous guess
                 items = [item for item in items if item.num_spec > i]
                 batch = [(item.seq, item.drafts[-1:], len(item.seq) + i - 1) for item in items]
-            hidden, query_start = engine.forward(self.model, batch)
-            for seq, tokens, start in batch:
-                seq.num_draft_cached = start + len(tokens)
-            logits = self.model.lm_head(hidden[query_start[1:] - 1])
-            engine.append_drafts(items, logits)
+            hidden, query_start = self.feed(engine, batch)
+            sample_drafts(items, self.model.lm_head(hidden[query_start[1:] - 1]))
 
     def catch_up(self, engine, seqs: list[Sequence]):
         """While the tokens the draft lacks exceed the step's token budget, feed them (all but each
         sequence's last) in forwards within the budget, as the target's prefill is chunked."""
-        budget = engine.max_num_batched_tokens  # > 2 x the sequences drafting: each chunk makes progress
-        while sum(len(s) - s.num_draft_cached for s in seqs) > budget:
-            chunk, room = [], budget
+        while sum(len(s) - s.num_draft_cached for s in seqs) > self.budget:
+            chunk, room = [], self.budget
             for s in seqs:
                 start = s.num_draft_cached
                 n = min(len(s) - start - 1, room)
                 if n > 0:
                     chunk.append((s, s.token_ids[start:start + n], start))
                     room -= n
-            engine.forward(self.model, chunk)
-            for s, tokens, start in chunk:
-                s.num_draft_cached = start + len(tokens)
+            self.feed(engine, chunk)
+
+    def feed(self, engine, batch: list[tuple[Sequence, list[int], int]]):
+        """One draft forward; its tokens' K/V are now in the draft's cache."""
+        hidden, query_start = engine.forward(self.model, batch)
+        for seq, tokens, start in batch:
+            seq.num_draft_cached = start + len(tokens)
+        return hidden, query_start
 
 
 class MLPProposer:
@@ -482,24 +459,33 @@ class MLPProposer:
         tokens = torch.tensor([item.seq.token_ids[-1] for item in items], device=state.device)
         for i in range(max(item.num_spec for item in items)):
             state, logits = self.model.step(i, state, tokens)
-            tokens = engine.append_drafts(items, logits)
+            tokens = sample_drafts(items, logits)
         for item in items:  # every head ran for the whole batch; keep each request's own K
-            item.drafts, item.draft_probs = item.drafts[:item.num_spec], item.draft_probs[:item.num_spec]
+            del item.drafts[item.num_spec:], item.parents[item.num_spec:]
+            item.draft_probs = item.draft_probs[:item.num_spec]
+
+
+def sample_drafts(items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+    """Sample one draft token per item from the draft's probabilities (same temperature, top-k and
+    top-p as the target) and keep those probabilities for the rejection sampler."""
+    probs = logits_to_probs(logits, [item.seq for item in items])
+    for item, p in zip(items, probs):
+        # The noise of the position the draft is for: where the target samples with the same noise
+        # (accept_coupled), the draft agrees with it as often as it can.
+        item.parents.append(len(item.drafts) - 1)  # a chain: the previous draft, or -1 for the first
+        item.drafts.append(sample_at(p, item.seq, len(item.seq) + len(item.drafts)))
+        item.draft_probs = p[None] if item.draft_probs is None else torch.cat([item.draft_probs, p[None]])
+    return torch.tensor([item.drafts[-1] for item in items], device=logits.device)
 
 
 # ---------------------------------------------------------------------------------------------
 # Dynamic speculation: --num-spec-tokens auto
-# ---------------------------------------------------------------------------------------------
 def interpolate(table: dict[int, float], x: int) -> float:
     """Piecewise-linear lookup in a {size: seconds} table; proportional beyond the largest size."""
     sizes = sorted(table)
     if x >= sizes[-1]:
         return table[sizes[-1]] * x / sizes[-1]
-    hi = next(i for i, s in enumerate(sizes) if s >= x)
-    if hi == 0:
-        return table[sizes[0]]
-    x0, x1 = sizes[hi - 1], sizes[hi]
-    return table[x0] + (table[x1] - table[x0]) * (x - x0) / (x1 - x0)
+    return float(np.interp(x, sizes, [table[s] for s in sizes]))
 
 
 class GoodputChooser:
@@ -521,7 +507,7 @@ class GoodputChooser:
     def choose(self, acceptances: list[list[float]]) -> list[int]:
         """K per sequence, from each one's a_i (as many as its K may reach): take drafts from the most to
         the least valuable, and keep the prefix of that order with the highest goodput."""
-        drafts = sorted((-math.prod(a[:j + 1]), j, i) 
+        drafts = sorted((-math.prod(a[:j + 1]), j, i)
                         for i, a in enumerate(acceptances) for j in range(len(a)))
         ks, num_tokens, max_k, drafting = [0] * len(acceptances), len(acceptances), 0, 0
         expected = float(num_tokens)
@@ -556,16 +542,98 @@ def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The engine
+# The scheduler: what each step computes. It never runs a model.
+@dataclass
+class Scheduler:
+    """Admission (waiting prompts in chunks, while blocks and the token budget allow), K per decoding
+    request (fixed, or the GoodputChooser's for auto), its lookahead slots, and preemption: out of blocks,
+    K shrinks first, then the newest sequence is preempted. The oldest always makes progress."""
+    blocks: BlockManager
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    num_spec_tokens: int | str              # K for every request, or "auto": the chooser's
+    spec_disable_batch_size: int | None     # K = 0 while more sequences than this run
+    spec_tree_nodes: int                    # > 0: coupled requests verify trees of up to this many nodes
+    stats: Counter                          # the engine's counters (preemptions)
+    chooser: GoodputChooser | None = None
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+
+    def choose_k(self) -> dict[int, int]:
+        """K per decoding sequence this step (seq_id -> K; absent: 0). A request's own num_spec_tokens
+        caps it; it never turns speculation on while the engine has it off."""
+        limit = self.spec_disable_batch_size
+        if not self.num_spec_tokens or (limit is not None and len(self.running) > limit):
+            return {}
+        k_max = self.chooser.k_max if self.chooser else self.num_spec_tokens
+        decoding = [s for s in self.running if s.phase == "decoding"]
+        caps = [k_max if s.params.num_spec_tokens is None else min(k_max, s.params.num_spec_tokens)
+                for s in decoding]
+        ks = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)]) \
+            if self.chooser else caps
+        return {s.seq_id: k for s, k in zip(decoding, ks)}
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget, scheduled, ks = self.max_num_batched_tokens, [], self.choose_k()
+        for seq in list(self.running):  # oldest first: the oldest always makes progress
+            if seq not in self.running or budget == 0:
+                continue  # preempted earlier in this loop, or no token budget left
+            num_tokens = min(len(seq) - seq.num_cached, budget)
+            k = min(ks.get(seq.seq_id, 0), budget - num_tokens, self.max_model_len - len(seq))
+            # Trees for coupled requests only: unseeded sampling's rejection sampler takes chains.
+            tree = k and self.spec_tree_nodes > 0 and couples(seq)
+            nodes = min(max(k, self.spec_tree_nodes), budget - num_tokens) if tree else k  # the node budget
+            while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + nodes):
+                if nodes > 0:
+                    nodes -= 1  # shrink the lookahead before preempting anyone
+                    continue
+                self.preempt(self.running[-1])
+                if seq not in self.running:
+                    break
+            if seq in self.running:
+                samples = seq.num_cached + num_tokens == len(seq)
+                scheduled.append(ScheduledSeq(seq, num_tokens, nodes, samples, max_depth=min(k, nodes),
+                                              branches=nodes if tree else 1))
+                budget -= num_tokens + nodes
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = min(len(seq), budget)
+            if not self.blocks.ensure_slots(seq, num_tokens):
+                break
+            self.running.append(self.waiting.popleft())
+            scheduled.append(ScheduledSeq(seq, num_tokens, 0, num_tokens == len(seq)))
+            budget -= num_tokens
+        return scheduled
+
+    def preempt(self, seq: Sequence):
+        """Free the newest sequence's blocks; it is recomputed from its tokens when readmitted."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_cached = seq.num_draft_cached = 0
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    def remove(self, seq: Sequence):
+        """A finished or aborted sequence leaves the queues and returns every block."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq)
+
+
 # ---------------------------------------------------------------------------------------------
+# The engine: one step is schedule -> propose -> verify -> accept -> commit
 class LLMEngine:
     def __init__(self, model: str | None = None, dtype="auto", device="cpu", block_size=16,
                  num_blocks: int | None = None, kv_cache_gib: float = 1.0, max_num_seqs=64,
                  max_num_batched_tokens=2048, max_model_len: int | None = None, draft: str | None = None,
                  num_spec_tokens=None, ngram_min=1, ngram_max=4, spec_disable_batch_size: int | None = None,
                  suffix_max_requests=256, spec_tree_nodes=0):
+        draft = None if draft in ("", "none") else draft
         if num_spec_tokens is None:  # a draft without a K: auto
-            num_spec_tokens = 0 if draft in (None, "", "none") else "auto"
+            num_spec_tokens = "auto" if draft else 0
         k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
         for ok, problem in [  # checked before any model loads
             (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
@@ -574,7 +642,7 @@ class LLMEngine:
             (num_blocks is None or num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"),
             (num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
              f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}"),
-            (not num_spec_tokens or draft not in (None, "", "none"),
+            (not num_spec_tokens or draft,
              "num_spec_tokens > 0 needs a draft: 'ngram', 'suffix', a model folder or 'mlp:PATH'"),
             (max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one token "
                                                       f"plus {k} drafts, got {max_num_batched_tokens}"),
@@ -587,18 +655,13 @@ class LLMEngine:
         if model is None:
             from models.gguf import default_model_path
             model = default_model_path()
-        self.model_path = model
-        self.device = torch.device(device)
+        self.model_path, self.device, self.block_size = model, torch.device(device), block_size
         self.model, self.config = load_model(model, dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(model)
         self.eos_ids = eos_token_ids(self.config, self.tokenizer)
-        self.block_size, self.max_num_seqs = block_size, max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_spec_tokens = num_spec_tokens
-        self.spec_disable_batch_size = spec_disable_batch_size
-        self.spec_tree_nodes = spec_tree_nodes
-        self.proposer = self.make_proposer(draft, ngram_min, ngram_max, suffix_max_requests)
+        self.proposer = self.make_proposer(draft, num_spec_tokens, ngram_min, ngram_max, suffix_max_requests,
+                                           max_num_batched_tokens)
         has_draft_model = isinstance(self.proposer, DraftModelProposer)
         cache_models = [self.model] + ([self.proposer.model] if has_draft_model else [])
         # The context is the shortest any model can position: the target's, a draft model's, and a
@@ -615,17 +678,16 @@ class LLMEngine:
         self.kv_caches = [allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device)
                           for m in cache_models]
         self.blocks = BlockManager(num_blocks, block_size)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.stats = Counter()                    # engine-wide: steps, preemptions, spec steps...
+        self.stats = Counter()                    # engine-wide: steps, preemptions, kv_moves
         self.k_histogram = Counter()              # K chosen per step
-        self.chooser = None
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                   num_spec_tokens, spec_disable_batch_size, spec_tree_nodes, self.stats)
         if num_spec_tokens == "auto":
             k_max = self.proposer.model.n_predict if isinstance(self.proposer, MLPProposer) else 8
-            self.chooser = GoodputChooser(k_max, self.profile_verify(max_num_seqs * (k_max + 1)))
+            self.scheduler.chooser = GoodputChooser(k_max, self.profile_verify(max_num_seqs * (k_max + 1)))
 
-    def make_proposer(self, draft, ngram_min, ngram_max, suffix_max_requests):
-        if draft in (None, "", "none"):
+    def make_proposer(self, draft, num_spec_tokens, ngram_min, ngram_max, suffix_max_requests, token_budget):
+        if draft is None:
             return None
         if draft == "ngram":
             return NgramProposer(ngram_min, ngram_max)
@@ -639,15 +701,15 @@ class LLMEngine:
             if shape != target:
                 raise ValueError(f"{draft}: speculator (emb_dim, vocab) {shape} does not fit the target's "
                                  f"(hidden, vocab) {target}")
-            if self.num_spec_tokens != "auto" and self.num_spec_tokens > speculator.n_predict:
-                raise ValueError(f"num_spec_tokens {self.num_spec_tokens} exceeds the speculator's n_predict "
+            if num_spec_tokens != "auto" and num_spec_tokens > speculator.n_predict:
+                raise ValueError(f"num_spec_tokens {num_spec_tokens} exceeds the speculator's n_predict "
                                  f"{speculator.n_predict}")
             return MLPProposer(speculator)
         draft_model, _ = load_model(draft, self.dtype, self.device)
         if draft_model.vocab_size != self.model.vocab_size:
             raise ValueError(f"{draft}: draft vocabulary ({draft_model.vocab_size}) differs from the "
                              f"target's ({self.model.vocab_size})")
-        return DraftModelProposer(draft_model)
+        return DraftModelProposer(draft_model, token_budget)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
@@ -670,39 +732,17 @@ class LLMEngine:
             raise ValueError(f"request needs {needed} KV blocks but the pool has {self.blocks.num_blocks}: "
                              "raise num_blocks / kv_cache_gib or lower max_tokens")
         seq = Sequence(prompt, params, self.device)
-        self.waiting.append(seq)
+        self.scheduler.waiting.append(seq)
         return seq
 
     def abort(self, seq: Sequence):
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        self.blocks.free(seq)
+        self.scheduler.remove(seq)
         seq.finish_reason = seq.finish_reason or "abort"
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
-    # -- schedule -----------------------------------------------------------------------------
-    def choose_k(self) -> dict[int, int]:
-        """K per decoding sequence this step (seq_id -> K; absent: 0). A request's own num_spec_tokens
-        caps it; it never turns speculation on while the engine has it off."""
-        if self.proposer is None or (self.spec_disable_batch_size is not None
-                                     and len(self.running) > self.spec_disable_batch_size):
-            return {}
-        k_max = self.chooser.k_max if self.chooser else self.num_spec_tokens
-        decoding = [s for s in self.running if s.phase == "decoding"]
-        caps = [k_max if s.params.num_spec_tokens is None else min(k_max, s.params.num_spec_tokens)
-                for s in decoding]
-        ks = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)]) \
-            if self.chooser else caps
-        return {s.seq_id: k for s, k in zip(decoding, ks)}
-
-    def grows_tree(self, seq: Sequence) -> bool:
-        """Draft trees for coupled requests only: unseeded sampling's rejection sampler takes chains."""
-        return self.spec_tree_nodes > 0 and couples(seq)
-
+    # -- costs, for the chooser -----------------------------------------------------------------
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """Final-norm hidden states [T, H] of one token sequence, outside any request (borrows blocks)."""
@@ -720,56 +760,18 @@ class LLMEngine:
         while tokens <= min(max_tokens, 512, self.blocks.num_blocks * self.block_size, self.max_model_len):
             times = []
             for _ in range(2):
-                self.synchronize()
-                start = time.perf_counter()
+                start = self.clock()
                 self.hidden_states([0] * tokens)
-                self.synchronize()
-                times.append(time.perf_counter() - start)
+                times.append(self.clock() - start)
             table[tokens] = min(times)
             tokens *= 2
         return table
 
-    def synchronize(self):  # before reading the clock: CUDA runs asynchronously
+    def clock(self) -> float:
+        """time.perf_counter() once the device has finished its work (CUDA runs asynchronously)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-
-    def preempt(self, seq: Sequence):
-        """Free the newest sequence's blocks; it is recomputed from its tokens when readmitted."""
-        self.running.remove(seq)
-        self.blocks.free(seq)
-        seq.num_cached = seq.num_draft_cached = 0
-        self.waiting.appendleft(seq)
-        self.stats["preemptions"] += 1
-
-    def schedule(self) -> list[ScheduledSeq]:
-        budget, scheduled, ks = self.max_num_batched_tokens, [], self.choose_k()
-        for seq in list(self.running):  # oldest first: the oldest always makes progress
-            if seq not in self.running or budget == 0:
-                continue  # preempted earlier in this loop, or no token budget left
-            num_tokens = min(len(seq) - seq.num_cached, budget)
-            k = min(ks.get(seq.seq_id, 0), budget - num_tokens, self.max_model_len - len(seq))
-            tree = k and self.grows_tree(seq)
-            nodes = min(max(k, self.spec_tree_nodes), budget - num_tokens) if tree else k  # the node budget
-            while not self.blocks.ensure_slots(seq, seq.num_cached + num_tokens + nodes):
-                if nodes > 0:
-                    nodes -= 1  # shrink the lookahead before preempting anyone
-                    continue
-                self.preempt(self.running[-1])
-                if seq not in self.running:
-                    break
-            if seq in self.running:
-                samples = seq.num_cached + num_tokens == len(seq)
-                scheduled.append(ScheduledSeq(seq, num_tokens, nodes, samples, min(k, nodes)))
-                budget -= num_tokens + nodes
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            num_tokens = min(len(seq), budget)
-            if not self.blocks.ensure_slots(seq, num_tokens):
-                break
-            self.running.append(self.waiting.popleft())
-            scheduled.append(ScheduledSeq(seq, num_tokens, 0, num_tokens == len(seq)))
-            budget -= num_tokens
-        return scheduled
+        return time.perf_counter()
 
     # -- one forward over a varlen batch --------------------------------------------------------
     def forward(self, model, batch: list[tuple[Sequence, list[int], int]], parents=None):
@@ -779,100 +781,69 @@ class LLMEngine:
         q_lens = [len(tokens) for _, tokens, _ in batch]
         seq_lens = [start + len(tokens) for _, tokens, start in batch]
         input_ids = torch.tensor([t for _, tokens, _ in batch for t in tokens])
-        slots = torch.cat([torch.arange(start, start + len(tokens)) for _, tokens, start in batch])  # cache
-        positions, paths = tree_layout(batch, parents or [[]] * len(batch))
+        positions = torch.cat([torch.arange(start, start + len(tokens)) for _, tokens, start in batch])
         width = max(len(seq.block_table) for seq, _, _ in batch)
         block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table))
                                      for s, _, _ in batch])
         seq_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(q_lens))
-        slot_mapping = (block_tables[seq_of_token, slots // self.block_size] * self.block_size
-                        + slots % self.block_size)
+        slot_mapping = (block_tables[seq_of_token, positions // self.block_size] * self.block_size
+                        + positions % self.block_size)
         query_start_loc = torch.tensor([0] + list(itertools.accumulate(q_lens)))
         dev = self.device
         ctx = AttentionContext(slot_mapping.to(dev), block_tables.to(dev), torch.tensor(seq_lens, device=dev),
                                query_start_loc.to(dev), max(q_lens), max(seq_lens))
-        if not torch.equal(positions, slots):  # a tree: some node's logical position is not its slot
+        if parents and any(nodes != list(range(-1, len(nodes) - 1)) for nodes in parents):  # not all chains
+            # A tree node's logical position (its depth past the last token) differs from its cache slot.
+            positions, paths = tree_layout(batch, parents)
             ctx.tree_pos, ctx.tree_keys = positions.to(dev), tree_keys(positions, paths).to(dev)
-        set_context(ctx)
+        kernels.context = ctx
         try:
             hidden = model(input_ids.to(dev), positions.to(dev))
         finally:
-            set_context(None)
+            kernels.context = None
         return hidden, query_start_loc  # on the host: reading row ends from it never syncs the device
-
-    def append_drafts(self, items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
-        """Sample one draft token per item from the draft's probabilities (same temperature,
-        top-k and top-p as the target) and keep those probabilities for the rejection sampler."""
-        probs = logits_to_probs(logits, [item.seq for item in items])
-        for item, p in zip(items, probs):
-            # The noise of the position the draft is for: where the target samples with the same noise
-            # (accept_coupled), the draft agrees with it as often as it can.
-            item.drafts.append(sample_at(p, item.seq, len(item.seq) + len(item.drafts)))
-            item.draft_probs = p[None] if item.draft_probs is None else torch.cat([item.draft_probs, p[None]])
-        return torch.tensor([item.drafts[-1] for item in items], device=logits.device)
 
     # -- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """One engine step; returns the sequences that finished in it."""
-        scheduled = self.schedule()
+        scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        speculating = [item for item in scheduled if item.num_spec > 0]
-        start = time.perf_counter()
+        self.stats["steps"] += 1
+        self.k_histogram[max(it.max_depth for it in scheduled)] += 1
+        # Propose: drafts (and their tree's parents) for every sequence with lookahead slots.
+        speculating = [it for it in scheduled if it.num_spec > 0]
+        started = time.perf_counter()
         if speculating:
             self.proposer.propose(self, speculating)
-        drafted = time.perf_counter()
-        self.stats["steps"] += 1
-        self.k_histogram[max((item.max_depth for item in scheduled), default=0)] += 1
+        proposed = time.perf_counter()
         # Verify: one target forward over every sequence's new tokens plus its drafts.
-        for it in scheduled:  # a proposer that fills no parents proposed a chain
-            it.parents = it.parents or list(range(-1, len(it.drafts) - 1))
         batch = [(it.seq, it.seq.token_ids[it.seq.num_cached:it.seq.num_cached + it.num_tokens] + it.drafts,
                   it.seq.num_cached) for it in scheduled]
         hidden, query_start = self.forward(self.model, batch, [it.parents for it in scheduled])
-        if self.chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
-            self.synchronize()
-            now, k = time.perf_counter(), max(it.max_depth for it in scheduled)
-            self.chooser.observe_time(self.chooser.verify_time, int(query_start[-1]), now - drafted)
+        chooser = self.scheduler.chooser
+        if chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
+            chooser.observe_time(chooser.verify_time, int(query_start[-1]), self.clock() - proposed)
             if speculating:
-                self.chooser.observe_time(self.chooser.draft_time, len(speculating), (drafted - start) / k)
-        sampling = [it for it in scheduled if it.samples]
+                k = max(it.max_depth for it in scheduled)
+                chooser.observe_time(chooser.draft_time, len(speculating), (proposed - started) / k)
         for it in scheduled:
             if not it.samples:
                 it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end
+        sampling = [it for it in scheduled if it.samples]
         if not sampling:
             return []
         ends = [end for it, end in zip(scheduled, query_start[1:].tolist()) if it.samples]
         rows = [r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)]
         logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
-        finished = []
-        row = 0
-        for it, (path, token) in zip(sampling, self.accept(sampling, logits)):
-            own = [row] + [row + 1 + node for node in path]  # the rows that produced the new tokens
+        # Accept, then commit: the accepted drafts and one more token per sampling sequence.
+        first_row = 0
+        for it, (path, token) in zip(sampling, accept(sampling, logits)):
+            own = [first_row] + [first_row + 1 + node for node in path]  # the rows that produced the tokens
             self.commit(it, path, token, hidden[rows[own[-1]]], logits[own])
-            row += len(it.drafts) + 1
-            if it.seq.finish_reason is not None:
-                finished.append(it.seq)
-        return finished
-
-    def accept(self, sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[list[int], int]]:
-        """(accepted path of draft indices, next_token) per sequence: coupled acceptance for greedy and
-        seeded requests, the rejection sampler for the others, in chunks that bound its [rows, K+1, V] fp32
-        tensors."""
-        starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
-        coupled = [i for i, it in enumerate(sampling) if couples(it.seq)]
-        others = [i for i, it in enumerate(sampling) if not couples(it.seq)]
-        rows_per_seq = max(len(it.drafts) + 1 for it in sampling)
-        per_chunk = max(1, REJECTION_CHUNK_BYTES // (8 * logits.shape[-1] * rows_per_seq))
-        groups = [(coupled, accept_coupled)] + [(others[i:i + per_chunk], accept_by_rejection)
-                                                 for i in range(0, len(others), per_chunk)]
-        results = {}
-        for group, accept in groups:
-            if group:
-                rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in group]).to(logits.device)
-                results.update(zip(group, zip(*accept([sampling[i] for i in group], logits[rows]))))
-        return [results[i] for i in range(len(sampling))]
+            first_row += len(it.drafts) + 1
+        return [it.seq for it in sampling if it.seq.finish_reason is not None]
 
     # -- commit -----------------------------------------------------------------------------
     def commit(self, it: ScheduledSeq, path: list[int], token: int, hidden_row: torch.Tensor,
@@ -931,8 +902,7 @@ class LLMEngine:
         return seq.finish_reason is not None
 
     def finish(self, seq: Sequence):
-        self.running.remove(seq)
-        self.blocks.free(seq)
+        self.scheduler.remove(seq)
         seq.finish_time = time.perf_counter()
         if isinstance(self.proposer, SuffixProposer):  # finished requests feed later ones' proposals
             self.proposer.remember(seq.token_ids)
@@ -949,6 +919,18 @@ class LLMEngine:
             dict(seq.drafted_per_position),
             ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(num_tokens - 1, 1),
             latency=seq.finish_time - seq.arrival_time)
+
+
+def accept(sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+    """(accepted path of draft indices, next token) per sequence: the coupled acceptance for greedy and
+    seeded requests, all at once; the rejection sampler for the others, one sequence at a time."""
+    starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
+    coupled = [i for i, it in enumerate(sampling) if couples(it.seq)]
+    rows = torch.tensor([r for i in coupled for r in range(starts[i], starts[i + 1])], dtype=torch.long)
+    paths_tokens = accept_coupled([sampling[i] for i in coupled], logits[rows.to(logits.device)])
+    results = dict(zip(coupled, zip(*paths_tokens)))
+    return [results[i] if i in results else accept_by_rejection(it, logits[starts[i]:starts[i + 1]])
+            for i, it in enumerate(sampling)]
 
 
 class LLM(LLMEngine):
@@ -979,7 +961,6 @@ class LLM(LLMEngine):
 
 # ---------------------------------------------------------------------------------------------
 # CLI
-# ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="nanospec: generate with (speculative) decoding")
     p.add_argument("--model", help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
@@ -992,91 +973,89 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder or 'mlp:PATH' (MLP speculator)")
-    p.add_argument("--num-spec-tokens", help="K drafts per step, or 'auto' (the default with --draft)")
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=4)
-    p.add_argument("--spec-tree-nodes", type=int, default=0,
-                   help="verify a draft tree of up to N nodes per step (ngram, suffix); 0: a chain")
-    p.add_argument("--spec-disable-batch-size", type=int,
-                   help="run without speculation while more than this many sequences are running")
     p.add_argument("--logprobs", type=int, help="log-probs of each token and the N most likely, in --json")
     p.add_argument("--json", help="write one JSON object per request to this file")
+    # The engine's settings: a flag left out keeps LLMEngine's default.
+    p.add_argument("--dtype", help="auto (the default), float32, bfloat16 or float16")
+    p.add_argument("--device", help="cpu (the default) or cuda")
+    p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder or 'mlp:PATH' (MLP speculator)")
+    p.add_argument("--num-spec-tokens", help="K drafts per step, or 'auto' (the default with --draft)")
+    p.add_argument("--spec-tree-nodes", type=int, help="verify a tree of up to N drafts (ngram, suffix)")
+    p.add_argument("--spec-disable-batch-size", type=int,
+                   help="run without speculation while more than this many sequences are running")
+    for name in ("block-size", "num-blocks", "max-num-seqs", "max-num-batched-tokens", "max-model-len",
+                 "ngram-min", "ngram-max"):
+        p.add_argument(f"--{name}", type=int)
     return p.parse_args(argv)
 
 
-def read_prompts(args) -> list[str]:
-    prompts = list(args.prompt)
-    if args.prompts_file:
-        with open(args.prompts_file) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    row = json.loads(line)
-                    if "prompt" not in row and "turns" not in row:
-                        raise ValueError(f"{args.prompts_file}:{i}: needs a 'prompt' or 'turns' field")
-                    prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
-    return prompts or ["Write a short poem about the sea."]
-
-
-def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
-    from rich.table import Table
-    table = Table(title="nanospec run")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    num_tokens = sum(len(o.token_ids) for o in outputs)
-    median = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
-    rows = [("requests", len(outputs)), ("output tokens", num_tokens), ("elapsed (s)", f"{elapsed:.2f}"),
-            ("output tok/s", f"{num_tokens / elapsed:.1f}"),
-            ("TTFT median (ms)", f"{1000 * median([o.ttft for o in outputs]):.1f}"),
-            ("TPOT median (ms)", f"{1000 * median([o.tpot for o in outputs]):.1f}"),
-            ("dtype, kernels", f"{str(llm.dtype)[6:]}, {kernels.kernels_summary(llm.device)}")]
-    drafted, accepted = sum(o.num_draft_tokens for o in outputs), sum(o.num_accepted_tokens for o in outputs)
-    spec_steps = sum(o.num_spec_steps for o in outputs)
-    if llm.proposer is not None:
-        per_position = spec_metrics(outputs)["acceptance_per_position"]
-        rows += [("drafted tokens", drafted), ("accepted tokens", accepted),
-                 ("acceptance rate", f"{accepted / max(drafted, 1):.2%}"),
-                 ("mean accepted length", f"{1 + accepted / max(spec_steps, 1):.2f}"),
-                 ("nodes verified per step", f"{drafted / max(spec_steps, 1):.2f}"),
-                 ("acceptance per depth", " ".join(f"{a:.2f}" for a in per_position)),
-                 ("K per step (K: steps)", " ".join(f"{k}:{n}" for k, n in sorted(llm.k_histogram.items())))]
-    for name, value in rows:
-        table.add_row(name, str(value))
-    return table
+def read_prompts_file(path: str) -> list[str]:
+    """One prompt per JSONL row: its 'prompt', or the first of its MT-bench style 'turns'."""
+    prompts = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                row = json.loads(line)
+                if "prompt" not in row and "turns" not in row:
+                    raise ValueError(f"{path}:{i}: needs a 'prompt' or 'turns' field")
+                prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
+    return prompts
 
 
 def spec_metrics(outputs: list[RequestOutput]) -> dict:
-    drafted, accepted = Counter(), Counter()  # pooled over requests: each drafted token counts once
+    """A run's speculation: totals, tokens per step, and acceptance per draft position pooled over
+    requests (each drafted token counts once)."""
+    drafted, accepted = Counter(), Counter()
     for o in outputs:
         for pos, rate in o.accepted_per_position.items():
             drafted[pos] += o.drafted_per_position[pos]
             accepted[pos] += rate * o.drafted_per_position[pos]
-    return {"acceptance_per_position": [accepted[i] / drafted[i] for i in sorted(drafted)]}
+    num_drafted = sum(o.num_draft_tokens for o in outputs)
+    num_accepted, steps = sum(o.num_accepted_tokens for o in outputs), sum(o.num_spec_steps for o in outputs)
+    return {"drafted": num_drafted, "accepted": num_accepted,
+            "mean_accepted_length": 1 + num_accepted / steps if steps else None,
+            "nodes_per_step": num_drafted / steps if steps else None,
+            "acceptance_per_position": [accepted[i] / drafted[i] for i in sorted(drafted)]}
+
+
+def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
+    from rich.table import Column, Table
+    num_tokens = sum(len(o.token_ids) for o in outputs)
+    median_ms = lambda name: f"{1000 * np.median([getattr(o, name) for o in outputs]):.1f}"  # noqa: E731
+    rows = {"requests": len(outputs), "output tokens": num_tokens, "elapsed (s)": f"{elapsed:.2f}",
+            "output tok/s": f"{num_tokens / elapsed:.1f}", "TTFT median (ms)": median_ms("ttft"),
+            "TPOT median (ms)": median_ms("tpot"),
+            "dtype, kernels": f"{str(llm.dtype)[6:]}, {kernels.kernels_summary(llm.device)}"}
+    if llm.proposer is not None:
+        m = spec_metrics(outputs)  # None per step when no step speculated: 1 token a step, 0 nodes
+        rows |= {"drafted tokens": m["drafted"], "accepted tokens": m["accepted"],
+                 "acceptance rate": f"{m['accepted'] / max(m['drafted'], 1):.2%}",
+                 "mean accepted length": f"{m['mean_accepted_length'] or 1:.2f}",
+                 "nodes verified per step": f"{m['nodes_per_step'] or 0:.2f}",
+                 "acceptance per depth": " ".join(f"{a:.2f}" for a in m["acceptance_per_position"]),
+                 "K per step (K: steps)": " ".join(f"{k}:{n}" for k, n in sorted(llm.k_histogram.items()))}
+    table = Table("metric", Column("value", justify="right"), title="nanospec run")
+    for name, value in rows.items():
+        table.add_row(name, str(value))
+    return table
+
+
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     from rich.console import Console
     console = Console()
+    k = args.num_spec_tokens
+    args.num_spec_tokens = int(k) if k and k.isdigit() else k
+    engine_args = inspect.signature(LLMEngine.__init__).parameters  # the flags named like LLMEngine's
+    settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
     try:
-        k = args.num_spec_tokens
-        k = int(k) if k and k.isdigit() else k
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
-                                logprobs=args.logprobs)
-        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                  num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  draft=args.draft, num_spec_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-                  spec_disable_batch_size=args.spec_disable_batch_size, spec_tree_nodes=args.spec_tree_nodes)
-        prompts = read_prompts(args)
+        params = SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
+        llm = LLM(**settings)
+        prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+        prompts = prompts or ["Write a short poem about the sea."]
         if args.chat:
             if llm.tokenizer is None:
                 raise ValueError("--chat needs a tokenizer.json in the model folder")
@@ -1087,7 +1066,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, json.JSONDecodeError) as e:
         print(f"nanospec: error: {e}", file=sys.stderr)
         return 2
-    for prompt, out in zip(prompts, outputs):
+    for out in outputs:
         console.rule(f"[bold]{out.finish_reason}[/] · {len(out.token_ids)} tokens")
         console.print(out.text if out.text is not None else out.token_ids, highlight=False, markup=False)
     console.print(summary_table(outputs, elapsed, llm))

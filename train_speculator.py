@@ -1,8 +1,8 @@
 # Train an MLP speculator for a target model by self-distillation (arXiv 2404.19124): the target
-# greedily continues a set of prompts (and reads more texts without continuing them), we record its
-# final-norm hidden states and its greedy next token at every position, and the heads learn to predict
-# the target's own next tokens. Writes an ibm-fms layout checkpoint (--draft mlp:DIR), plus the
-# reduced vocabulary its heads were trained on (draft_vocab.safetensors, read by nanospec only).
+# greedily continues a set of prompts, we record its final-norm hidden states and its greedy next token
+# at every position, and the heads learn to predict the target's own next tokens. Writes an ibm-fms
+# layout checkpoint (--draft mlp:DIR), plus the reduced vocabulary its heads were trained on
+# (draft_vocab.safetensors, read by nanospec only).
 # It must never train on the prompts it is later evaluated on: pass held-apart prompts to bench.py.
 import argparse
 import json
@@ -10,7 +10,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from models import load_model
 from models.gguf import default_model_path
@@ -23,15 +23,12 @@ HEAD_LR_SCALE = 0.1  # the pretrained vocabulary head moves ten times slower tha
 
 @torch.inference_mode()
 def collect(llm: LLM, prompts: list, max_tokens: int) -> dict:
-    """The target's hidden states and greedy next tokens over each prompt plus its greedy continuation
-    (max_tokens 0: the prompt alone, one prefill, many times cheaper than decoding). Returns tokens [N],
-    hidden [N, H] (bf16), greedy [N] (the target's argmax next token after each position: a label
-    wherever the text is not the target's own) and doc [N] (which sequence each position is in)."""
-    if max_tokens:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-        sequences = [out.prompt_token_ids + out.token_ids for out in outs]
-    else:
-        sequences = [llm.tokenizer.encode(p)[:llm.max_model_len - 1] for p in prompts]
+    """The target's hidden states and greedy next tokens over each prompt plus its greedy continuation.
+    Returns tokens [N], hidden [N, H] (bf16), greedy [N] (the target's argmax next token after each
+    position: a label wherever the text is not the target's own) and doc [N] (which sequence each
+    position is in)."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    sequences = [out.prompt_token_ids + out.token_ids for out in outs]
     data = {"tokens": [], "hidden": [], "greedy": [], "doc": []}
     for doc, ids in enumerate(sequences):
         hidden = llm.hidden_states(ids)
@@ -90,7 +87,7 @@ def frequent_tokens(labels: torch.Tensor, n: int, vocab_size: int) -> torch.Tens
     return torch.argsort(counts - torch.arange(vocab_size) / vocab_size, descending=True)[:n].sort().values
 
 
-def save(spec: MLPSpeculator, config: dict, out: str, optimizer, step: int, full_head: torch.Tensor):
+def save(spec: MLPSpeculator, config: dict, out: str, full_head: torch.Tensor):
     os.makedirs(out, exist_ok=True)
     names = ["emb.0.weight", "head.0.weight", "ln.0.weight", "ln.0.bias", "proj.0.weight"] + \
             (["proj.1.weight"] if spec.n_predict > 1 else [])
@@ -102,26 +99,6 @@ def save(spec: MLPSpeculator, config: dict, out: str, optimizer, step: int, full
     save_file(weights, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    moments = {f"{name}.{key}": value for name, p in spec.named_parameters() if p in optimizer.state
-               for key, value in optimizer.state[p].items() if torch.is_tensor(value)}
-    save_file(moments, os.path.join(out, "optimizer.safetensors"))
-    with open(os.path.join(out, "train_state.json"), "w") as f:
-        json.dump({"step": step}, f)
-
-
-def resume(spec: MLPSpeculator, out: str, optimizer) -> int:
-    if not os.path.exists(os.path.join(out, "train_state.json")):
-        return 0
-    saved = load_file(os.path.join(out, "model.safetensors"))
-    weights = {k.removeprefix("speculator."): v for k, v in saved.items()}
-    if spec.vocab_ids is not None:
-        weights["head.0.weight"] = weights["head.0.weight"][spec.vocab_ids]
-    spec.load_state_dict(weights, strict=False)
-    moments = load_file(os.path.join(out, "optimizer.safetensors"))
-    for name, p in spec.named_parameters():
-        if f"{name}.exp_avg" in moments:
-            optimizer.state[p] = {k: moments[f"{name}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
-    return json.load(open(os.path.join(out, "train_state.json")))["step"]
 
 
 def read_prompts(files: list[str], chat_tokenizer) -> list[str]:
@@ -138,18 +115,8 @@ def train(args):
     target_path = args.model or default_model_path()
     llm = LLM(target_path, dtype=args.dtype, max_num_seqs=32)
     spec, config = new_speculator(target_path, args.n_predict)
-    data_file = os.path.join(args.out, "data.safetensors")
-    if os.path.exists(data_file):  # resumable: the collected data is reused
-        data = load_file(data_file)
-    else:
-        prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
-        data = collect(llm, prompts, args.max_tokens)
-        if args.texts:  # read-only texts follow the generated ones, as further sequences
-            read = collect(llm, read_prompts(args.texts, llm.tokenizer)[:args.max_texts or None], 0)
-            read["doc"] = read["doc"] + int(data["doc"][-1]) + 1
-            data = {name: torch.cat([data[name], read[name]]) for name in data}
-        os.makedirs(args.out, exist_ok=True)
-        save_file(data, data_file)
+    prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
+    data = collect(llm, prompts, args.max_tokens)
     # Every position whose next token is in the same sequence is a training example.
     positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()
     full_head = spec.head[0].weight.detach()  # a reduced head trains a copy of rows; save() puts them back
@@ -159,11 +126,10 @@ def train(args):
     small = [p for p in spec.parameters() if p.requires_grad and p is not head]
     optimizer = torch.optim.AdamW([{"params": small}, {"params": [head], "lr": args.lr * HEAD_LR_SCALE}],
                                   lr=args.lr, weight_decay=0.0)
-    step = resume(spec, args.out, optimizer)
-    generator = torch.Generator().manual_seed(args.seed + step)
+    generator = torch.Generator().manual_seed(args.seed)
     with Progress() as progress:
-        task = progress.add_task("training", total=args.steps, completed=step)
-        while step < args.steps:
+        task = progress.add_task("training", total=args.steps)
+        for _ in range(args.steps):
             batch = positions[torch.randint(len(positions), (args.batch_size,), generator=generator)]
             # bf16 matmuls (AMX on CPUs that have it) for the big vocabulary heads; weights stay fp32.
             with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
@@ -171,11 +137,9 @@ def train(args):
             optimizer.zero_grad()
             sum(losses).backward()
             optimizer.step()
-            step += 1
             description = "loss " + " ".join(f"{l.item():.2f}" for l in losses)
             progress.update(task, advance=1, description=description)
-            if step % args.save_every == 0 or step == args.steps:
-                save(spec, config, args.out, optimizer, step, full_head)
+    save(spec, config, args.out, full_head)
     return [l.item() for l in losses]
 
 
@@ -187,10 +151,6 @@ def parse_args(argv=None):
                    help="JSONL files and/or the built-in workload 'chat' (general requests); "
                         "never 'grounded' or MT-bench, which bench.py holds apart for evaluation")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
-    p.add_argument("--texts", nargs="*", default=[],
-                   help="JSONL files and/or built-in workloads read without generating (labels: the target's "
-                        "own next-token argmax)")
-    p.add_argument("--max-texts", type=int, default=0, help="use only the first N texts (0: all)")
     p.add_argument("--n-predict", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=4096,
                    help="heads score only the N tokens the target predicts most often in the data (0: all); "
@@ -199,7 +159,6 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--dtype", default="bfloat16",
                    help="the target's dtype while collecting data (bfloat16 also autocasts training matmuls)")
     p.add_argument("--seed", type=int, default=0)

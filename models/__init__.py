@@ -82,7 +82,7 @@ def pack(state: dict, packed_modules: dict) -> dict:
 def load_weights(model: torch.nn.Module, path: str, dtype: torch.dtype, device):
     rename = getattr(model, "rename", lambda name: name)
     state = pack(read_checkpoint(path, dtype, rename, device), getattr(model, "packed_modules", {}))
-    for name, source in model.tied_weights.items():  # one tensor, two names (a tied lm_head)
+    for name, source in model.tied_weights.items():  # one tensor, several names (a tied lm_head or head)
         if name not in state and source in state:
             state[name] = state[source]
     expected = model.state_dict()

@@ -111,15 +111,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DecoderModel(nn.Module):
-    def __init__(self, config: dict, **attn_flags):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(config, **attn_flags)
-                                    for _ in range(config["num_hidden_layers"]))
-        self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
-
-
 class LlamaForCausalLM(nn.Module):
     """Also Mistral, Qwen2 and Qwen3: `arch` picks the flags."""
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -130,15 +121,18 @@ class LlamaForCausalLM(nn.Module):
         flags = dict(qkv_bias=bias, o_bias=bias, qk_norm=arch == "Qwen3ForCausalLM")
         if arch == "Qwen2ForCausalLM":  # Qwen2 always has q/k/v bias and never an o_proj bias
             flags.update(qkv_bias=True, o_bias=False)
-        self.model = DecoderModel(config, **flags)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
+        self.num_layers = config["num_hidden_layers"]
+        self.model = nn.Module()  # a namespace: parameter names are the checkpoint's ("model.layers.0...")
+        self.model.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, **flags) for _ in range(self.num_layers))
+        self.model.norm = RMSNorm(self.hidden_size, config["rms_norm_eps"])
+        self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
         # A tied head is the embedding matrix itself: the loader fills lm_head.weight from it.
         self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"} \
             if config.get("tie_word_embeddings", False) else {}
         attn = self.model.layers[0].self_attn
-        self.num_layers, self.num_kv_heads, self.head_dim = len(self.model.layers), attn.num_kv_heads, \
-            attn.head_dim
-        self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.max_position_embeddings = config.get("max_position_embeddings", 4096)
         uses_window = arch == "MistralForCausalLM" or config.get("use_sliding_window")
         window = config.get("sliding_window") if uses_window else None

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from kernels import use_linears
-from models import read_checkpoint, read_config, resolve_dtype
+from models import load_weights, read_config, resolve_dtype
 
 # Optional, beside the ibm-fms layout: the token ids a reduced head scores (other engines ignore the file).
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -49,6 +49,12 @@ class MLPSpeculator(nn.Module):
         self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * inner / 2)
         # Set by restrict_vocab: the token ids the heads score (None: all). A buffer, so .to(device) moves it.
         self.register_buffer("vocab_ids", None, persistent=False)
+        # With tie_weights, fms keeps one emb, head and ln for all heads and one proj for heads >= 1.
+        self.tied_weights = {name: tied_name(name) for name in self.state_dict()} if self.tie_weights else {}
+
+    @staticmethod
+    def rename(name: str) -> str:  # the checkpoint's names: "speculator.emb.0.weight"
+        return name.removeprefix("speculator.")
 
     def first_state(self, hidden):
         return self.ln0(hidden) / math.sqrt(2) if self.scale_input else hidden
@@ -78,7 +84,7 @@ class MLPSpeculator(nn.Module):
 
 
 def tied_name(name: str) -> str:
-    """With tie_weights, fms keeps one emb/head/ln for all heads and one proj for heads >= 1."""
+    """The tensor a tied checkpoint stores for parameter `name`."""
     kind, i, rest = name.split(".", 2)
     return f"{kind}.{1 if kind == 'proj' and int(i) > 0 else 0}.{rest}"
 
@@ -89,18 +95,7 @@ def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
         raise ValueError(f"{path}: model_type {config.get('model_type')!r} is not 'mlp_speculator'")
     with torch.device("meta"):
         model = MLPSpeculator(config)
-    dtype = resolve_dtype(dtype, config, device)
-    state = {k.removeprefix("speculator."): v for k, v in read_checkpoint(path, dtype).items()}
-    weights = {}
-    for name, param in model.state_dict().items():
-        source = name if name in state or not model.tie_weights else tied_name(name)
-        if source not in state:
-            raise ValueError(f"{path}: speculator checkpoint is missing tensor 'speculator.{name}'")
-        if state[source].shape != param.shape:
-            raise ValueError(f"{path}: tensor 'speculator.{source}' has shape {tuple(state[source].shape)}, "
-                             f"expected {tuple(param.shape)}")
-        weights[name] = state[source]
-    model.load_state_dict(weights, assign=True)
+    load_weights(model, path, resolve_dtype(dtype, config, device), device)
     vocab_file = os.path.join(path, VOCAB_FILE)
     if os.path.exists(vocab_file):
         model.restrict_vocab(read_vocab(vocab_file, model.vocab_size))

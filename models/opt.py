@@ -49,22 +49,6 @@ class OPTDecoderLayer(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
-class OPTDecoder(nn.Module):
-    def __init__(self, config: dict):
-        super().__init__()
-        hidden, proj_dim = config["hidden_size"], config.get("word_embed_proj_dim") or config["hidden_size"]
-        self.embed_tokens = nn.Embedding(config["vocab_size"], proj_dim)
-        self.embed_positions = nn.Embedding(config["max_position_embeddings"] + POSITION_OFFSET, hidden)
-        self.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
-        self.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
-        # OPT-350m style (post-norm) checkpoints have no final norm.
-        pre_norm = config.get("do_layer_norm_before", True)
-        has_final_norm = pre_norm and not config.get("_remove_final_layer_norm", False)
-        affine = config.get("layer_norm_elementwise_affine", True)
-        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_final_norm else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config["num_hidden_layers"]))
-
-
 class OPTForCausalLM(nn.Module):
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
@@ -72,13 +56,22 @@ class OPTForCausalLM(nn.Module):
         super().__init__()
         if config.get("activation_function", "relu") != "relu":
             raise ValueError(f"config.json: OPT activation {config['activation_function']!r} is unsupported")
-        self.model = nn.Module()
-        self.model.decoder = OPTDecoder(config)
-        attn = self.model.decoder.layers[0].self_attn
-        self.num_layers, self.num_kv_heads = config["num_hidden_layers"], attn.num_heads
-        self.head_dim = attn.head_dim
-        self.hidden_size = config.get("word_embed_proj_dim") or config["hidden_size"]
-        self.vocab_size = config["vocab_size"]
+        hidden, proj_dim = config["hidden_size"], config.get("word_embed_proj_dim") or config["hidden_size"]
+        self.model = nn.Module()  # namespaces: parameter names are the checkpoint's ("model.decoder...")
+        self.model.decoder = dec = nn.Module()
+        dec.embed_tokens = nn.Embedding(config["vocab_size"], proj_dim)
+        dec.embed_positions = nn.Embedding(config["max_position_embeddings"] + POSITION_OFFSET, hidden)
+        dec.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
+        dec.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
+        # OPT-350m style (post-norm) checkpoints have no final norm.
+        pre_norm = config.get("do_layer_norm_before", True)
+        has_final_norm = pre_norm and not config.get("_remove_final_layer_norm", False)
+        affine = config.get("layer_norm_elementwise_affine", True)
+        dec.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_final_norm else None
+        dec.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config["num_hidden_layers"]))
+        self.num_layers, self.num_kv_heads = config["num_hidden_layers"], dec.layers[0].self_attn.num_heads
+        self.head_dim = dec.layers[0].self_attn.head_dim
+        self.hidden_size, self.vocab_size = proj_dim, config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
         self.tied_weights = {"lm_head.weight": "model.decoder.embed_tokens.weight"} \

@@ -82,7 +82,7 @@ def test_auto_k_keeps_greedy_output(models):
     expected = [o.token_ids for o in plain.generate(prompts(6), GREEDY, use_progress=False)]
     for draft in (target, "ngram"):
         llm = LLM(target, dtype="float32", block_size=2, num_blocks=256, draft=draft, num_spec_tokens="auto")
-        assert llm.chooser is not None and llm.chooser.verify_time
+        assert llm.scheduler.chooser is not None and llm.scheduler.chooser.verify_time
         outs = llm.generate(prompts(6), GREEDY, use_progress=False)
         assert [o.token_ids for o in outs] == expected
         assert sum(llm.k_histogram.values()) == llm.stats["steps"]

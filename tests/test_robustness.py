@@ -152,7 +152,7 @@ def test_step_reads_row_ends_without_a_host_sync_per_sequence(plain, monkeypatch
     def no_item(self):
         raise AssertionError("Tensor.item() in step")
     monkeypatch.setattr(torch.Tensor, "item", no_item)
-    assert len(plain.running) == 3 and plain.step() == []
+    assert len(plain.scheduler.running) == 3 and plain.step() == []
     monkeypatch.undo()
     while plain.has_unfinished():
         plain.step()
@@ -162,8 +162,8 @@ def test_samples_is_decided_at_schedule_time(target, plain):
     """A prefill chunk scheduled before a sampling sequence must not be mistaken for one after the step
     moved its num_cached (the chunk here is half the prompt: num_cached + num_tokens then equals len)."""
     llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=5)
-    schedule = llm.schedule
-    llm.schedule = lambda: schedule()[::-1]  # chunks first
+    schedule = llm.scheduler.schedule
+    llm.scheduler.schedule = lambda: schedule()[::-1]  # chunks first
     first = llm.add_request([5, 6, 7], GREEDY)
     llm.step()
     second = llm.add_request(list(range(10, 18)), GREEDY)
@@ -224,7 +224,7 @@ def test_exponential_noise_is_clamped_away_from_zero(monkeypatch):
     probs = torch.tensor([0.0, 0.0, 0.7, 0.3])
     seq = nanospec.Sequence([1], SamplingParams(temperature=1.0, seed=3), "cpu")
     assert nanospec.sample_at(probs, seq, 5) == 2
-    assert bool((nanospec.exp_noise([seq], 4, "cpu") > 0).all())
+    assert bool((nanospec.exp_noise(seq.generator, 4, "cpu") > 0).all())
 
 
 def test_c_attention_over_a_long_context():

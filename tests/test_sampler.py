@@ -1,6 +1,6 @@
 # Both samplers are lossless: emitted tokens follow the target distribution exactly, for stochastic and
 # one-hot drafts, at the first position, at recovered positions and at the bonus. The rejection sampler
-# (unseeded requests) and the coupled acceptance (seeded: accept_coupled, drafts from append_drafts).
+# (unseeded requests) and the coupled acceptance (seeded: accept_coupled, drafts from sample_drafts).
 # Each test can fail: it compares sampled frequencies with the exact distribution (chi-square and
 # total variation against random reference distributions).
 from types import SimpleNamespace
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import nanospec
-from nanospec import (LLMEngine, SamplingParams, ScheduledSeq, Sequence, accept_coupled, logits_to_probs,
-                      rejection_sample)
+from nanospec import (SamplingParams, ScheduledSeq, Sequence, accept_coupled, logits_to_probs, rejection_sample,
+                      sample_drafts)
 
 V, LENGTH = 5, 3  # vocabulary, and how many tokens each simulated generation keeps
 
@@ -119,7 +119,7 @@ def test_broken_residual_or_bonus_is_detected():
 def simulate_coupled(target, draft, k, num_chains, one_hot_draft, seed, accept=accept_coupled):
     """The same synthetic world through the engine's seeded path: chain c is a Sequence seeded
     seed * num_chains + c; its drafts are the fixed tokens draft[i].argmax() (one-hot) or are sampled
-    from draft[i] by append_drafts with the noise of the position they are for; accept_coupled checks
+    from draft[i] by sample_drafts with the noise of the position they are for; accept_coupled checks
     them against logits log(target[i]). Returns the LENGTH tokens of each chain and (drafted, accepted)."""
     pad = LENGTH + k + 1
     target = torch.cat([target, target[-1:].expand(pad - len(target), V)]).log()
@@ -133,7 +133,7 @@ def simulate_coupled(target, draft, k, num_chains, one_hot_draft, seed, accept=a
             if one_hot_draft:
                 item.drafts = draft[pos:pos + k].argmax(-1).tolist()
             for i in range(0 if one_hot_draft else k):
-                LLMEngine.append_drafts(None, [item], draft[pos + i].log()[None])
+                sample_drafts([item], draft[pos + i].log()[None])
             item.parents = list(range(-1, len(item.drafts) - 1))  # a chain
             [path], [token] = accept([item], target[pos:pos + k + 1])
             n = len(path)

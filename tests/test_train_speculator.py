@@ -1,5 +1,5 @@
-# The speculator recipe on a tiny random target: a few steps lower the loss, resume continues from the
-# saved step, and the checkpoint loads through --draft mlp:PATH with greedy equality intact.
+# The speculator recipe on a tiny random target: a few steps lower the loss, and the checkpoint loads
+# through --draft mlp:PATH with greedy equality intact.
 import json
 
 import torch
@@ -20,12 +20,11 @@ def test_training_lowers_loss_and_checkpoint_runs(tmp_path):
     workload.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
                                 ["hello there", "the cat sat on the mat", "one two three", "abc abc abc"]))
     out = tmp_path / "spec"
-    common = ["--model", str(target), "--out", str(out), "--prompts", str(workload), "--texts", str(workload),
+    common = ["--model", str(target), "--out", str(out), "--prompts", str(workload),
               "--n-predict", "3", "--max-tokens", "48", "--batch-size", "64", "--lr", "3e-3", "--dtype", "float32",
-              "--save-every", "10", "--draft-vocab", "24"]
+              "--draft-vocab", "24"]
     first = train(parse_args(common + ["--steps", "1"]))
-    last = train(parse_args(common + ["--steps", "60"]))  # resumes at step 1 with the saved data
-    assert json.loads((out / "train_state.json").read_text())["step"] == 60
+    last = train(parse_args(common + ["--steps", "60"]))  # from scratch: its first step is the run above
     assert sum(last) < 0.8 * sum(first)
     # The embedding stays the target's; the vocabulary head is fine-tuned from the target's lm_head.
     weights, target_weights = load_file(out / "model.safetensors"), load_file(target / "model.safetensors")
@@ -63,8 +62,6 @@ def test_collected_labels_are_the_targets_own_next_tokens(tmp_path):
         assert len(llm.tokenizer.encode(prompt)) < len(where) <= len(llm.tokenizer.encode(prompt)) + 8
         generated = where[len(llm.tokenizer.encode(prompt)) - 1:-1]  # positions whose next token was generated
         assert data["greedy"][generated].tolist() == data["tokens"][generated + 1].tolist()
-    read = collect(llm, prompts, max_tokens=0)
-    assert len(read["tokens"]) == sum(len(llm.tokenizer.encode(p)) for p in prompts)
 
 
 def test_reduced_vocabulary_scores_only_its_tokens(tmp_path):
