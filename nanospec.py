@@ -496,12 +496,13 @@ class GoodputChooser:
     or bonus token always comes): each draft is worth the chance that it and every draft before it are
     accepted. A step costs verify(sum of K+1 over the batch) + max K * draft_step(sequences drafting).
     K = 0 is plain decoding. The costs are tables of measured seconds, seeded by a short profile at
-    start-up and refined (EMA) from real steps; the a_i are each request's own (acceptance_estimate).
+    start-up and scaled (EMA) to real steps; the a_i are each request's own (acceptance_estimate).
     """
 
     def __init__(self, k_max: int, verify_time: dict[int, float], ema: float = 0.1):
         self.k_max, self.ema = k_max, ema
-        self.verify_time = dict(verify_time)   # tokens in the target forward -> seconds
+        self.verify_time = dict(verify_time)   # tokens in the target forward -> seconds (start-up profile)
+        self.verify_scale = 1.0                # real verification / the profile's, as measured
         self.draft_time = {1: 0.0}             # sequences drafting -> seconds per draft step
 
     def choose(self, acceptances: list[list[float]]) -> list[int]:
@@ -523,7 +524,15 @@ class GoodputChooser:
 
     def step_time(self, num_tokens: int, max_k: int, drafting: int) -> float:
         draft_step = interpolate(self.draft_time, max(drafting, 1))
-        return interpolate(self.verify_time, num_tokens) + max_k * draft_step
+        return self.verify_scale * interpolate(self.verify_time, num_tokens) + max_k * draft_step
+
+    def observe_verify(self, num_tokens: int, seconds: float):
+        """A real step rescales the whole profile: what a token more costs relative to a step comes from
+        the profile; the level from real steps, with the per-sequence work (accept, commit) the profile
+        lacks. (Storing real steps by size made a batch's one measured size look dear and the sizes above
+        it, still the profile's, cheap: at batch 64 it drafted and lost 6%.)"""
+        ratio = seconds / interpolate(self.verify_time, num_tokens)
+        self.verify_scale += self.ema * (ratio - self.verify_scale)
 
     def observe_time(self, table: dict[int, float], size: int, seconds: float):
         table[size] = seconds if size not in table else table[size] + self.ema * (seconds - table[size])
@@ -755,13 +764,13 @@ class LLMEngine:
             self.blocks.free(probe)
 
     def profile_verify(self, max_tokens: int) -> dict[int, float]:
-        """Seconds per target forward for 1, 2, 4, ... tokens: the chooser's starting cost table."""
+        """Seconds per target forward and logits for 1, 2, 4, ... tokens: the chooser's starting cost table."""
         table, tokens = {}, 1
         while tokens <= min(max_tokens, 512, self.blocks.num_blocks * self.block_size, self.max_model_len):
             times = []
             for _ in range(2):
                 start = self.clock()
-                self.hidden_states([0] * tokens)
+                self.model.lm_head(self.hidden_states([0] * tokens))  # every row sampled, as in a verify
                 times.append(self.clock() - start)
             table[tokens] = min(times)
             tokens *= 2
@@ -822,12 +831,6 @@ class LLMEngine:
         batch = [(it.seq, it.seq.token_ids[it.seq.num_cached:it.seq.num_cached + it.num_tokens] + it.drafts,
                   it.seq.num_cached) for it in scheduled]
         hidden, query_start = self.forward(self.model, batch, [it.parents for it in scheduled])
-        chooser = self.scheduler.chooser
-        if chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
-            chooser.observe_time(chooser.verify_time, int(query_start[-1]), self.clock() - proposed)
-            if speculating:
-                k = max(it.max_depth for it in scheduled)
-                chooser.observe_time(chooser.draft_time, len(speculating), (proposed - started) / k)
         for it in scheduled:
             if not it.samples:
                 it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end
@@ -843,6 +846,14 @@ class LLMEngine:
             own = [first_row] + [first_row + 1 + node for node in path]  # the rows that produced the tokens
             self.commit(it, path, token, hidden[rows[own[-1]]], logits[own])
             first_row += len(it.drafts) + 1
+        chooser = self.scheduler.chooser
+        if chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
+            # Verification is all the rest of the step: each draft also costs a logits row, its share of
+            # accepting and committing.
+            chooser.observe_verify(int(query_start[-1]), self.clock() - proposed)
+            if speculating:
+                k = max(it.max_depth for it in scheduled)
+                chooser.observe_time(chooser.draft_time, len(speculating), (proposed - started) / k)
         return [it.seq for it in sampling if it.seq.finish_reason is not None]
 
     # -- commit -----------------------------------------------------------------------------

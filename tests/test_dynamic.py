@@ -50,6 +50,18 @@ def test_chooser_counts_draft_cost():
     assert chooser.choose([[0.5] * 8])[0] < cheap
 
 
+def test_real_steps_rescale_the_profile_not_one_size():
+    """Real steps carry per-sequence work the start-up profile lacks. Observed at the one size a batch
+    runs, they must raise every size's cost alike: a draft's relative cost keeps the profile's shape."""
+    steep = {1: 0.02, 16: 0.03, 32: 0.06, 64: 0.12, 128: 0.24}
+    chooser = GoodputChooser(8, steep)
+    for _ in range(100):
+        chooser.observe_verify(64, 0.24)  # a batch of 64 at K = 0, twice the profile's time
+    assert chooser.step_time(64, 0, 0) == pytest.approx(0.24, rel=1e-3)
+    assert chooser.step_time(96, 0, 0) == pytest.approx(0.36, rel=1e-3)  # not the profile's 0.18
+    assert chooser.choose([[0.6] * 8] * 64) == [0] * 64
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     target = tmp_path_factory.mktemp("target")
