@@ -791,7 +791,7 @@ class LLMEngine:
         query_start_loc = torch.tensor([0] + list(itertools.accumulate(q_lens)))
         dev = self.device
         ctx = AttentionContext(slot_mapping.to(dev), block_tables.to(dev), torch.tensor(seq_lens, device=dev),
-                               query_start_loc.to(dev), max(q_lens), max(seq_lens))
+                               query_start_loc.to(dev), max(q_lens))
         if parents and any(nodes != list(range(-1, len(nodes) - 1)) for nodes in parents):  # not all chains
             # A tree node's logical position (its depth past the last token) differs from its cache slot.
             positions, paths = tree_layout(batch, parents)

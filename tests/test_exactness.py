@@ -108,8 +108,7 @@ def attention_of_position_44(fn, dtype, block_size):
         offsets = [0, 45, 105, 135, 147]
         q = torch.cat([q_all[offsets[s] + context - q_len:offsets[s] + context]
                        for s, (context, q_len) in zip(index, seqs)])
-        out = fn(q, k_cache, v_cache, block_tables[index], seq_lens, starts, 0.25, int(q_lens.max()),
-                 int(seq_lens.max()))
+        out = fn(q, k_cache, v_cache, block_tables[index], seq_lens, starts, 0.25, int(q_lens.max()))
         rows[name] = out[int(starts[1]) - 1]  # the last query of the first sequence: position 44
     return rows
 
@@ -172,7 +171,7 @@ def tree_step(block_size, dtype):
     seq_lens, starts = torch.tensor([37, 12]), torch.tensor([0, 7, 10])
     positions, paths = tree_layout([(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []])
     tree = positions, tree_keys(positions, paths)
-    return (q, k_cache, v_cache, block_tables, seq_lens, starts, 0.25, 7, 37), tree, paths
+    return (q, k_cache, v_cache, block_tables, seq_lens, starts, 0.25, 7), tree, paths
 
 
 def chain_reference(fn, args, paths):
@@ -194,7 +193,7 @@ def chain_reference(fn, args, paths):
 def alone(fn, q, k_cache, v_cache, block_table, context):
     """One sequence's len(q) last queries, an ordinary step."""
     seq_lens, starts = torch.tensor([context]), torch.tensor([0, len(q)])
-    return fn(q, k_cache, v_cache, block_table, seq_lens, starts, 0.25, len(q), context)
+    return fn(q, k_cache, v_cache, block_table, seq_lens, starts, 0.25, len(q))
 
 
 def check_tree_attention(fn, dtype, block_size):

@@ -115,8 +115,7 @@ def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype)
     q_lens = torch.tensor([q_len for _, q_len in seqs], device=DEVICE)
     query_start_loc = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
     q, _, _ = qkv_views(int(q_lens.sum()), num_heads, num_kv_heads, head_dim, dtype)
-    return (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, head_dim ** -0.5,
-            int(q_lens.max()), int(seq_lens.max()))
+    return q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, head_dim ** -0.5, int(q_lens.max())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -124,10 +123,7 @@ def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [  # GQA ratios 1, 3, 4, 8
     (2, 2, 16), (6, 2, 64), (4, 1, 128), (8, 1, 64)])
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("kv_segment", [512, 64])  # 64: split-KV with a log-sum-exp merge
-def test_paged_attention(batch, kv_segment, block_size, num_heads, num_kv_heads, head_dim, dtype,
-                         monkeypatch):
-    monkeypatch.setattr(kernels, "KV_SEGMENT", kv_segment)
+def test_paged_attention(batch, block_size, num_heads, num_kv_heads, head_dim, dtype):
     args = make_paged_batch(BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype)
     assert_triton_matches_torch("paged_attention", *args, dtype=dtype)
 
