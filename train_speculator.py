@@ -66,7 +66,8 @@ def new_speculator(target_path: str, n_predict: int) -> tuple[MLPSpeculator, dic
                   emb_dim=target.hidden_size, inner_dim=0, n_predict=n_predict, vocab_size=target.vocab_size,
                   tie_weights=True, scale_input=True, torch_dtype="float32")
     spec = MLPSpeculator(config)
-    embed, head = target.embedding_weight(), target.lm_head.weight
+    embed = next(m.weight for name, m in target.named_modules() if name.endswith("embed_tokens"))
+    head = target.lm_head.weight
     with torch.no_grad():
         for i in range(n_predict):
             spec.emb[i].weight = spec.emb[0].weight  # tied: one emb, head and ln; proj 1..n shared

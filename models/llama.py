@@ -122,17 +122,15 @@ class LlamaForCausalLM(nn.Module):
         if arch == "Qwen2ForCausalLM":  # Qwen2 always has q/k/v bias and never an o_proj bias
             flags.update(qkv_bias=True, o_bias=False)
         self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
-        self.num_layers = config["num_hidden_layers"]
         self.model = nn.Module()  # a namespace: parameter names are the checkpoint's ("model.layers.0...")
         self.model.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, **flags) for _ in range(self.num_layers))
+        layers = (DecoderLayer(config, **flags) for _ in range(config["num_hidden_layers"]))
+        self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(self.hidden_size, config["rms_norm_eps"])
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
         # A tied head is the embedding matrix itself: the loader fills lm_head.weight from it.
         self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"} \
             if config.get("tie_word_embeddings", False) else {}
-        attn = self.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.max_position_embeddings = config.get("max_position_embeddings", 4096)
         uses_window = arch == "MistralForCausalLM" or config.get("use_sliding_window")
         window = config.get("sliding_window") if uses_window else None
@@ -141,11 +139,8 @@ class LlamaForCausalLM(nn.Module):
             # so the context is capped there rather than silently computing something else.
             self.max_position_embeddings = min(self.max_position_embeddings, window)
         # rope_cache builds on the CPU explicitly: models are constructed on the meta device.
-        self.register_buffer("cos_sin_cache", rope_cache(config, self.head_dim, self.max_position_embeddings),
-                             persistent=False)
-
-    def attention_layers(self):
-        return [layer.self_attn for layer in self.model.layers]
+        cos_sin = rope_cache(config, self.model.layers[0].self_attn.head_dim, self.max_position_embeddings)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(self, input_ids, positions):
         """Packed tokens [T] at positions [T] -> final-norm hidden states [T, H]."""
@@ -157,6 +152,3 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos_sin)
         x, _ = self.model.norm(x, residual)
         return x
-
-    def embedding_weight(self):
-        return self.model.embed_tokens.weight

@@ -69,8 +69,6 @@ class OPTForCausalLM(nn.Module):
         affine = config.get("layer_norm_elementwise_affine", True)
         dec.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_final_norm else None
         dec.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config["num_hidden_layers"]))
-        self.num_layers, self.num_kv_heads = config["num_hidden_layers"], dec.layers[0].self_attn.num_heads
-        self.head_dim = dec.layers[0].self_attn.head_dim
         self.hidden_size, self.vocab_size = proj_dim, config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
@@ -81,9 +79,6 @@ class OPTForCausalLM(nn.Module):
     def rename(name: str) -> str:
         # facebook/opt-* checkpoints store "decoder.*"; transformers' own save writes "model.decoder.*".
         return "model." + name if name.startswith("decoder.") else name
-
-    def attention_layers(self):
-        return [layer.self_attn for layer in self.model.decoder.layers]
 
     def forward(self, input_ids, positions):
         dec = self.model.decoder
@@ -96,6 +91,3 @@ class OPTForCausalLM(nn.Module):
         if dec.final_layer_norm is not None:
             x = dec.final_layer_norm(x)
         return dec.project_out(x) if dec.project_out is not None else x
-
-    def embedding_weight(self):
-        return self.model.decoder.embed_tokens.weight
