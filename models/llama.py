@@ -66,7 +66,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
         self.k_cache = self.v_cache = None  # views into the engine's KV pool, set by allocate_kv_cache
 
-    def forward(self, x, cos_sin):
+    def forward(self, x, cos_sin=None):  # cos_sin None: no rotary (OPT)
         qkv = self.qkv_proj(x)
         heads = (self.num_heads, self.num_kv_heads)
         # q and k sit side by side in each row of qkv: view them as one [T, Hq + Hkv, D] tensor and
@@ -76,7 +76,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = q_k.split(heads, dim=1)
             q_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = rotary(q_k, cos_sin).split(heads, dim=1)
+        q, k = (q_k if cos_sin is None else rotary(q_k, cos_sin)).split(heads, dim=1)
         out = attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 

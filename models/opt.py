@@ -1,29 +1,13 @@
 # OPT decoder: learned positions (offset 2), LayerNorm before or after each block, ReLU MLP, and
 # project_in/project_out when word_embed_proj_dim differs from hidden_size. Same varlen forward and
-# paged attention as every other model; never a model-specific attention path.
+# paged attention as every other model; never a model-specific attention path: OPT's is Llama's
+# Attention without rotary.
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import attention
+from models.llama import Attention
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
-
-
-class OPTAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, bias: bool):
-        super().__init__()
-        self.num_heads = self.num_kv_heads = num_heads
-        self.head_dim = hidden // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_cache = self.v_cache = None
-
-    def forward(self, x):
-        q, k, v = (t.reshape(-1, self.num_heads, self.head_dim) for t in self.qkv_proj(x).chunk(3, dim=-1))
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = attention(q, k, v, self.k_cache, self.v_cache, self.scale)
-        return self.out_proj(out.reshape(x.shape))
 
 
 class OPTDecoderLayer(nn.Module):
@@ -32,7 +16,7 @@ class OPTDecoderLayer(nn.Module):
         hidden, bias = config["hidden_size"], config.get("enable_bias", True)
         affine = config.get("layer_norm_elementwise_affine", True)
         self.pre_norm = config.get("do_layer_norm_before", True)
-        self.self_attn = OPTAttention(hidden, config["num_attention_heads"], bias)
+        self.self_attn = Attention(config, qkv_bias=bias, o_bias=bias, qk_norm=False)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.fc1 = nn.Linear(hidden, config["ffn_dim"], bias=bias)
         self.fc2 = nn.Linear(config["ffn_dim"], hidden, bias=bias)
@@ -78,6 +62,7 @@ class OPTForCausalLM(nn.Module):
     @staticmethod
     def rename(name: str) -> str:
         # facebook/opt-* checkpoints store "decoder.*"; transformers' own save writes "model.decoder.*".
+        name = name.replace(".self_attn.out_proj.", ".self_attn.o_proj.")  # Attention's name for it
         return "model." + name if name.startswith("decoder.") else name
 
     def forward(self, input_ids, positions):
