@@ -23,6 +23,12 @@ from models import eos_token_ids, load_model, load_tokenizer
 from paged_kv import BlockManager, allocate_kv_cache, bytes_per_block
 
 
+def require(ok, problem: str):
+    """Every invalid argument, model or request is a ValueError that names the problem."""
+    if not ok:
+        raise ValueError(problem)
+
+
 # ---------------------------------------------------------------------------------------------
 # Requests
 @dataclass
@@ -52,8 +58,7 @@ class SamplingParams:
             "seed": self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2**64,  # torch takes
         }
         for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"SamplingParams.{name} has an invalid value: {getattr(self, name)!r}")
+            require(ok, f"SamplingParams.{name} has an invalid value: {getattr(self, name)!r}")
 
 
 class Sequence:
@@ -635,23 +640,21 @@ class LLMEngine:
         if num_spec_tokens is None:  # a draft without a K: auto
             num_spec_tokens = "auto" if draft else 0
         k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
-        for ok, problem in [  # checked before any model loads
-            (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
-            (max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {max_num_seqs}"),
-            (kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {kv_cache_gib}"),
-            (num_blocks is None or num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"),
-            (num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
-             f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}"),
-            (not num_spec_tokens or draft,
-             "num_spec_tokens > 0 needs a draft: 'ngram', 'suffix', a model folder or 'mlp:PATH'"),
-            (max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one token "
-                                                      f"plus {k} drafts, got {max_num_batched_tokens}"),
-            (1 <= ngram_min <= ngram_max, f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}"),
-            (not spec_tree_nodes or draft in ("ngram", "suffix"),
-             f"spec_tree_nodes needs draft 'ngram' or 'suffix', got {draft!r}"),
-        ]:
-            if not ok:
-                raise ValueError(problem)
+        # Checked before any model loads.
+        require(block_size >= 1, f"block_size must be >= 1, got {block_size}")
+        require(max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        require(kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        require(num_blocks is None or num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}")
+        require(num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
+                f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}")
+        require(not num_spec_tokens or draft,
+                "num_spec_tokens > 0 needs a draft: 'ngram', 'suffix', a model folder or 'mlp:PATH'")
+        require(max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one "
+                f"token plus {k} drafts, got {max_num_batched_tokens}")
+        require(1 <= ngram_min <= ngram_max,
+                f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+        require(not spec_tree_nodes or draft in ("ngram", "suffix"),
+                f"spec_tree_nodes needs draft 'ngram' or 'suffix', got {draft!r}")
         if model is None:
             from models.gguf import default_model_path
             model = default_model_path()
@@ -667,14 +670,13 @@ class LLMEngine:
         # The context is the shortest any model can position: the target's, a draft model's, and a
         # sliding-window model's window (models/llama.py). Asking for more is an error, not a silent cap.
         limit = min(m.max_position_embeddings for m in cache_models)
-        if (max_model_len or 0) > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds {limit}, the longest context the target "
-                             "and draft models can position (a sliding-window model stops at its window)")
+        require((max_model_len or 0) <= limit, f"max_model_len {max_model_len} exceeds {limit}, the longest "
+                "context the target and draft models can position (a sliding-window model stops at its "
+                "window)")
         self.max_model_len = max_model_len or limit
         if num_blocks is None:  # one pool: a block id costs its K/V in the target and in the draft
             num_blocks = int(kv_cache_gib * 2**30) // bytes_per_block(cache_models, block_size, self.dtype)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_gib {kv_cache_gib} is too small for one KV block")
+        require(num_blocks >= 1, f"kv_cache_gib {kv_cache_gib} is too small for one KV block")
         self.kv_caches = [allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device)
                           for m in cache_models]
         self.blocks = BlockManager(num_blocks, block_size)
@@ -696,41 +698,36 @@ class LLMEngine:
         if draft.startswith("mlp:"):
             from models.mlp_speculator import load_speculator
             speculator = load_speculator(draft[4:], self.dtype, self.device)
-            shape, target = (speculator.emb_dim, speculator.vocab_size), (self.model.hidden_size,
-                                                                          self.model.vocab_size)
-            if shape != target:
-                raise ValueError(f"{draft}: speculator (emb_dim, vocab) {shape} does not fit the target's "
-                                 f"(hidden, vocab) {target}")
-            if num_spec_tokens != "auto" and num_spec_tokens > speculator.n_predict:
-                raise ValueError(f"num_spec_tokens {num_spec_tokens} exceeds the speculator's n_predict "
-                                 f"{speculator.n_predict}")
+            shape = (speculator.emb_dim, speculator.vocab_size)
+            target = (self.model.hidden_size, self.model.vocab_size)
+            require(shape == target, f"{draft}: speculator (emb_dim, vocab) {shape} does not fit the "
+                    f"target's (hidden, vocab) {target}")
+            require(num_spec_tokens == "auto" or num_spec_tokens <= speculator.n_predict, f"num_spec_tokens "
+                    f"{num_spec_tokens} exceeds the speculator's n_predict {speculator.n_predict}")
             return MLPProposer(speculator)
         draft_model, _ = load_model(draft, self.dtype, self.device)
-        if draft_model.vocab_size != self.model.vocab_size:
-            raise ValueError(f"{draft}: draft vocabulary ({draft_model.vocab_size}) differs from the "
-                             f"target's ({self.model.vocab_size})")
+        require(draft_model.vocab_size == self.model.vocab_size, f"{draft}: draft vocabulary "
+                f"({draft_model.vocab_size}) differs from the target's ({self.model.vocab_size})")
         return DraftModelProposer(draft_model, token_budget)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
         params = params or SamplingParams()
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer.json: pass token ids instead of text")
+            require(self.tokenizer is not None,
+                    "this model folder has no tokenizer.json: pass token ids instead of text")
             prompt = self.tokenizer.encode(prompt)
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.model.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {self.model.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens but the context is {self.max_model_len} "
-                             f"(max_model_len): it must leave room for at least one new token")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-        needed = self.blocks.blocks_for(min(len(prompt) + params.max_tokens, self.max_model_len))
-        if needed > self.blocks.num_blocks:
-            raise ValueError(f"request needs {needed} KV blocks but the pool has {self.blocks.num_blocks}: "
-                             "raise num_blocks / kv_cache_gib or lower max_tokens")
+        vocab, context = self.model.vocab_size, self.max_model_len
+        require(prompt, "prompt is empty")
+        require(all(isinstance(t, int) and 0 <= t < vocab for t in prompt),
+                f"prompt token ids must be ints in [0, {vocab})")
+        require(len(prompt) < context, f"prompt has {len(prompt)} tokens but the context is {context} "
+                "(max_model_len): it must leave room for at least one new token")
+        require(not params.stop or self.tokenizer is not None,
+                "stop strings need a tokenizer; use stop_token_ids")
+        needed = self.blocks.blocks_for(min(len(prompt) + params.max_tokens, context))
+        require(needed <= self.blocks.num_blocks, f"request needs {needed} KV blocks but the pool has "
+                f"{self.blocks.num_blocks}: raise num_blocks / kv_cache_gib or lower max_tokens")
         seq = Sequence(prompt, params, self.device)
         self.scheduler.waiting.append(seq)
         return seq
@@ -941,8 +938,8 @@ class LLM(LLMEngine):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        require(len(sampling_params) == len(prompts),
+                f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         from rich.progress import Progress
         seqs = []
         try:
@@ -996,8 +993,7 @@ def read_prompts_file(path: str) -> list[str]:
         for i, line in enumerate(f, 1):
             if line.strip():
                 row = json.loads(line)
-                if "prompt" not in row and "turns" not in row:
-                    raise ValueError(f"{path}:{i}: needs a 'prompt' or 'turns' field")
+                require("prompt" in row or "turns" in row, f"{path}:{i}: needs a 'prompt' or 'turns' field")
                 prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
     return prompts
 
@@ -1057,8 +1053,7 @@ def main(argv=None) -> int:
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         prompts = prompts or ["Write a short poem about the sea."]
         if args.chat:
-            if llm.tokenizer is None:
-                raise ValueError("--chat needs a tokenizer.json in the model folder")
+            require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
