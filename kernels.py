@@ -5,6 +5,7 @@
 # whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless
 # forced (tests, under TRITON_INTERPRET=1).
 import ctypes
+import functools
 import hashlib
 import os
 import subprocess
@@ -83,7 +84,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
 
 
-def _load_cpu_kernels():
+@functools.cache
+def cpu_kernels():
+    """The compiled C kernels, or None; built and loaded on first call."""
     source = Path(__file__).with_name("cpu_kernels.c")  # missing where an install kept only .py files
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
@@ -110,17 +113,6 @@ def _load_cpu_kernels():
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
     return lib
-
-
-_cpu_lib = "not loaded"
-
-
-def cpu_kernels():
-    """The compiled C kernels, or None; built and loaded on first call."""
-    global _cpu_lib
-    if _cpu_lib == "not loaded":
-        _cpu_lib = _load_cpu_kernels()
-    return _cpu_lib
 
 
 def kernels_summary(device) -> str:

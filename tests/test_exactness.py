@@ -2,6 +2,7 @@
 # every implementation this machine can run (the C kernels for each ISA it can execute, the torch
 # references, Triton in the interpreter at fp32/fp16). This is what makes speculative output equal plain
 # decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to end.
+import functools
 from unittest import mock
 
 import pytest
@@ -21,11 +22,10 @@ def c_isa(request, monkeypatch):
     if ISAS.index(request.param) < ISAS.index(have):
         pytest.skip(f"this CPU runs {have}, not {request.param}")
     monkeypatch.setenv("NANOSPEC_ISA", request.param)
-    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))  # a rebuild
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
-    yield request.param
-    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")  # the next test rebuilds for this CPU
+    yield request.param  # then monkeypatch restores the build for this CPU
 
 
 def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):

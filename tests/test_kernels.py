@@ -2,6 +2,7 @@
 # printed on failure; NANOSPEC_TEST_SEED=<n> replays it). On CPU the kernels run under
 # TRITON_INTERPRET=1 (set in conftest.py), where fp32 and fp16 are exact but bf16 is broken.
 import contextlib
+import functools
 import os
 import random
 import subprocess
@@ -176,6 +177,12 @@ needs_c_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None,
                                      reason="cpu_kernels.c did not build here (no C compiler?)")
 
 
+def rebuild_cpu_kernels(monkeypatch):
+    """The next cpu_kernels() builds (or finds) and loads the library again, for this test's environment;
+    monkeypatch restores the cached one afterwards."""
+    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
+
+
 @needs_c_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
@@ -238,14 +245,14 @@ def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
         assert kernels.use_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].packed is not None
     with mock.patch.object(kernels, "c_rms_norm", side_effect=AssertionError("took the C path")):
         kernels.rms_norm(x.float(), weight.float(), 1e-6)
-    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+    rebuild_cpu_kernels(monkeypatch)
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.warns(UserWarning, match="cpu_kernels.c"):
         assert kernels.cpu_kernels() is None
     assert torch.equal(kernels.rms_norm(x, weight, 1e-6), kernels.torch_rms_norm(x, weight, 1e-6))
     assert kernels.use_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].packed is None
-    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+    rebuild_cpu_kernels(monkeypatch)
     monkeypatch.setenv("NANOSPEC_CPU_KERNELS", "0")
     assert kernels.cpu_kernels() is None
 
@@ -261,7 +268,7 @@ def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     for isa in ("generic", "avx2"):
         monkeypatch.setenv("NANOSPEC_ISA", isa)
-        monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+        rebuild_cpu_kernels(monkeypatch)
         if kernels.cpu_kernels() is None:
             continue
         assert kernels.cpu_isa() == isa and len(list(tmp_path.glob(f"cpu_kernels-{isa}-*.so"))) == 1
@@ -272,9 +279,9 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
     neither (torch's bf16 matmul is slow there); a GPU keeps a 16-bit checkpoint's dtype."""
     assert kernels.auto_dtype(torch.float16, "cuda") == torch.float16
     assert kernels.auto_dtype(torch.float32, "cuda") == torch.bfloat16
-    monkeypatch.setattr(kernels, "_cpu_lib", object())  # C kernels built
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: object())  # C kernels built
     assert kernels.auto_dtype(torch.float32, "cpu") == torch.bfloat16
-    monkeypatch.setattr(kernels, "_cpu_lib", None)  # no C kernels
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)  # no C kernels
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512_bf16"})
     assert kernels.auto_dtype(torch.float32, "cpu") == torch.bfloat16
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
