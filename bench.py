@@ -130,10 +130,8 @@ def sweep(args):
     hf = None
     if args.baseline == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from models.gguf import default_model_path
-        path = model or default_model_path()
-        hf = (AutoModelForCausalLM.from_pretrained(path, dtype=base.dtype).to(args.device).eval(),
-              AutoTokenizer.from_pretrained(path))
+        hf = (AutoModelForCausalLM.from_pretrained(base.model_path, dtype=base.dtype).to(args.device).eval(),
+              AutoTokenizer.from_pretrained(base.model_path))
     with Progress(transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(configs) * len(batch_sizes))
         for draft, k, nodes in configs:
