@@ -197,8 +197,7 @@ def top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
-    best = logits.max(-1, keepdim=True).indices
-    return torch.zeros(logits.shape, device=logits.device).scatter_(-1, best, 1.0)
+    return torch.nn.functional.one_hot(logits.max(-1).indices, logits.shape[-1]).float()
 
 
 def exp_noise(generator: torch.Generator, vocab: int, device) -> torch.Tensor:
@@ -673,8 +672,7 @@ class LLMEngine:
         # sliding-window model's window (models/llama.py). Asking for more is an error, not a silent cap.
         limit = min(m.max_position_embeddings for m in cache_models)
         require((max_model_len or 0) <= limit, f"max_model_len {max_model_len} exceeds {limit}, the longest "
-                "context the target and draft models can position (a sliding-window model stops at its "
-                "window)")
+                "context the models can position (a sliding-window model stops at its window)")
         self.max_model_len = max_model_len or limit
         if num_blocks is None:  # one pool: a block id costs its K/V in the target and in the draft
             num_blocks = int(kv_cache_gib * 2**30) // bytes_per_block(cache_models, block_size, self.dtype)
@@ -966,7 +964,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", help="auto (the default), float32, bfloat16 or float16")
     p.add_argument("--device", help="cpu (the default) or cuda")
     p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder or 'mlp:PATH' (MLP speculator)")
-    p.add_argument("--num-spec-tokens", help="K drafts per step, or 'auto' (the default with --draft)")
+    p.add_argument("--num-spec-tokens", type=lambda k: int(k) if k.isdigit() else k,
+                   help="K drafts per step, or 'auto' (the default with --draft)")
     p.add_argument("--spec-tree-nodes", type=int, help="verify a tree of up to N drafts (ngram, suffix)")
     p.add_argument("--spec-disable-batch-size", type=int,
                    help="run without speculation while more than this many sequences are running")
@@ -1033,8 +1032,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from rich.console import Console
     console = Console()
-    k = args.num_spec_tokens
-    args.num_spec_tokens = int(k) if k and k.isdigit() else k
     engine_args = inspect.signature(LLMEngine.__init__).parameters  # the flags named like LLMEngine's
     settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
     try:
