@@ -429,7 +429,8 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)        # running sum of exp2(score - m_i) * v
     # Keys from position 0 up to the tile's last query position (nothing later is visible to any of its
-    # rows). A row that sees no key keeps m_i = -inf and l_i = 0 (guarded below and at the end: no NaN).
+    # rows). Every row, padding included, sees position 0: from the first tile on m_i is finite (no
+    # -inf - -inf = NaN) and l_i >= 1 (the row's max scores exp2(0) = 1).
     kv_end = tl.max(tl.where(row_ok, q_pos, -1)) + 1
     for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
@@ -450,16 +451,13 @@ def _paged_attention_kernel(
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key visible yet: -inf - -inf = NaN
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    # l_i >= 1 once a row has seen a key (its max scores exp2(0) = 1) and 0 if none: clamping to 1
-    # makes an empty row's output 0, without NaN.
-    out = acc / tl.maximum(l_i, 1.0)[:, None]
+    out = acc / l_i[:, None]
     out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
