@@ -19,14 +19,8 @@ import torch
 
 import kernels
 from kernels import AttentionContext
-from models import eos_token_ids, load_model, load_tokenizer
+from models import eos_token_ids, load_model, load_tokenizer, require
 from paged_kv import BlockManager, allocate_kv_cache, bytes_per_block
-
-
-def require(ok, problem: str):
-    """Every invalid argument, model or request is a ValueError that names the problem."""
-    if not ok:
-        raise ValueError(problem)
 
 
 # ---------------------------------------------------------------------------------------------
