@@ -829,11 +829,10 @@ class LLMEngine:
         rows = [r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)]
         logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
         # Accept, then commit: the accepted drafts and one more token per sampling sequence.
-        first_row = 0
-        for it, (path, token) in zip(sampling, accept(sampling, logits)):
-            own = [first_row] + [first_row + 1 + node for node in path]  # the rows that produced the tokens
+        starts = itertools.accumulate((len(it.drafts) + 1 for it in sampling), initial=0)
+        for it, start, (path, token) in zip(sampling, starts, accept(sampling, logits)):
+            own = [start] + [start + 1 + node for node in path]  # the rows that produced the tokens
             self.commit(it, path, token, hidden[rows[own[-1]]], logits[own])
-            first_row += len(it.drafts) + 1
         return [it.seq for it in sampling if it.seq.finish_reason is not None]
 
     # -- commit -----------------------------------------------------------------------------
@@ -902,13 +901,12 @@ class LLMEngine:
 
     def output(self, seq: Sequence) -> RequestOutput:
         first = seq.first_token_time or seq.finish_time
-        num_tokens = len(seq.output_ids)
         return RequestOutput(
             seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, seq.text, seq.finish_reason,
             seq.num_drafted, seq.num_accepted, seq.num_spec_steps, seq.logprobs,
             {i: seq.accepted_per_position[i] / n for i, n in sorted(seq.drafted_per_position.items())},
             dict(seq.drafted_per_position),
-            ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(num_tokens - 1, 1),
+            ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(len(seq.output_ids) - 1, 1),
             latency=seq.finish_time - seq.arrival_time)
 
 
@@ -1019,9 +1017,6 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     return table
 
 
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from rich.console import Console
@@ -1029,7 +1024,8 @@ def main(argv=None) -> int:
     engine_args = inspect.signature(LLMEngine.__init__).parameters  # the flags named like LLMEngine's
     settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
     try:
-        params = SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
+        sampling = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs")
+        params = SamplingParams(**{name: getattr(args, name) for name in sampling})
         llm = LLM(**settings)
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         prompts = prompts or ["Write a short poem about the sea."]
