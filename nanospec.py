@@ -135,10 +135,10 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depths
 
 
-def tree_layout(batch, parents: list[list[int]]) -> tuple[torch.Tensor, dict[int, list[int]]]:
-    """The logical positions of a forward's tokens, and each draft node's root-to-node path in cache
-    positions, keyed by the node's index in the forward. Tokens fill consecutive cache positions from
-    their start; a node at depth d takes the root's position + d, where plain decoding puts it."""
+def tree_layout(batch, parents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[int]]]:
+    """AttentionContext.tree_pos and tree_keys of a forward, and each draft node's root-to-node path in
+    cache positions, keyed by the node's index in the forward. Tokens fill consecutive cache positions
+    from their start; a node at depth d takes the root's position + d, where plain decoding puts it."""
     positions, paths = [], {}
     for (_, tokens, start), nodes in zip(batch, parents):
         root = start + len(tokens) - len(nodes) - 1  # the last token before the drafts
@@ -148,16 +148,11 @@ def tree_layout(batch, parents: list[list[int]]) -> tuple[torch.Tensor, dict[int
             node_paths.append((node_paths[p] if p >= 0 else [root]) + [root + 1 + i])
             paths[len(positions)] = node_paths[-1]
             positions.append(root + len(node_paths[-1]) - 1)
-    return torch.tensor(positions), paths
-
-
-def tree_keys(positions: torch.Tensor, paths: dict[int, list[int]]) -> torch.Tensor:
-    """AttentionContext.tree_keys: [T, W] cache positions of each token's last W logical keys."""
-    width = max(map(len, paths.values()))
-    keys = positions[:, None] - width + 1 + torch.arange(width)  # a token off the tree reads its own
+    positions, width = torch.tensor(positions), max(map(len, paths.values()))
+    keys = positions[:, None] - width + 1 + torch.arange(width)  # [T, W]; a token off the tree reads its own
     for t, path in paths.items():
         keys[t, width - len(path):] = torch.tensor(path)
-    return keys
+    return positions, keys, paths
 
 
 # ---------------------------------------------------------------------------------------------
@@ -785,8 +780,8 @@ class LLMEngine:
                                query_start_loc.to(dev), max(q_lens))
         if parents and any(nodes != list(range(-1, len(nodes) - 1)) for nodes in parents):  # not all chains
             # A tree node's logical position (its depth past the last token) differs from its cache slot.
-            positions, paths = tree_layout(batch, parents)
-            ctx.tree_pos, ctx.tree_keys = positions.to(dev), tree_keys(positions, paths).to(dev)
+            positions, keys, _ = tree_layout(batch, parents)
+            ctx.tree_pos, ctx.tree_keys = positions.to(dev), keys.to(dev)
         kernels.context = ctx
         try:
             hidden = model(input_ids.to(dev), positions.to(dev))

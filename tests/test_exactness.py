@@ -165,12 +165,12 @@ TREE_PARENTS = [-1, 0, 0, -1, 2, 4]  # depths 1, 2, 2, 1, 3, 4
 
 
 def tree_step(block_size, dtype):
-    from nanospec import tree_keys, tree_layout
+    from nanospec import tree_layout
     torch.manual_seed(3)
     q, k_cache, v_cache, block_tables, *_ = make_paged_batch([(37, 7), (12, 3)], block_size, 6, 2, 16, dtype)
     seq_lens, starts = torch.tensor([37, 12]), torch.tensor([0, 7, 10])
-    positions, paths = tree_layout([(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []])
-    tree = positions, tree_keys(positions, paths)
+    positions, keys, paths = tree_layout([(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []])
+    tree = positions, keys
     return (q, k_cache, v_cache, block_tables, seq_lens, starts, 0.25, 7), tree, paths
 
 
