@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from bench import read_workload
 from models import load_model
 from models.mlp_speculator import VOCAB_FILE, MLPSpeculator, tied_name
 from nanospec import LLM, SamplingParams
@@ -95,20 +96,12 @@ def save(spec: MLPSpeculator, config: dict, out: str, full_head: torch.Tensor):
         json.dump(config, f, indent=1)
 
 
-def read_prompts(files: list[str], chat_tokenizer) -> list[str]:
-    from bench import read_workload
-    prompts = [p for f in files for p in read_workload(f)]
-    if chat_tokenizer and chat_tokenizer.chat_template:
-        prompts = [chat_tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    return prompts
-
-
 def train(args):
     from rich.progress import Progress
     torch.manual_seed(args.seed)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=32)  # None: the default model
     spec, config = new_speculator(llm.model_path, args.n_predict)
-    prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
+    prompts = [p for f in args.prompts for p in read_workload(f, llm.tokenizer)][:args.max_prompts or None]
     data = collect(llm, prompts, args.max_tokens)
     # Every position whose next token is in the same sequence is a training example.
     positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()
