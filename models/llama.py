@@ -9,32 +9,27 @@ from torch import nn
 from kernels import attention, rms_norm, rotary, silu_mul
 
 
-def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
-    """Rotary inverse frequencies, with llama3 scaling when config asks for it."""
+def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] float32 = [cos | sin] of position * inv_freq, the inverse frequencies
+    with llama3 scaling when config asks for it."""
     # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type != "llama3":
+    if rope_type not in ("default", "llama3"):
         raise ValueError(f"config.json: unsupported rope scaling type {rope_type!r}")
-    factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
-    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
-    low_wavelen, high_wavelen, wavelen = old_len / low, old_len / high, 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] float32 = [cos | sin] of position * inv_freq."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"),
-                        rope_inv_freq(config, head_dim))
+    if rope_type == "llama3":
+        factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        low_wavelen, high_wavelen, wavelen = old_len / low, old_len / high, 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
