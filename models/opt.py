@@ -45,13 +45,13 @@ class OPTForCausalLM(nn.Module):
         self.model.decoder = dec = nn.Module()
         dec.embed_tokens = nn.Embedding(config["vocab_size"], proj_dim)
         dec.embed_positions = nn.Embedding(config["max_position_embeddings"] + POSITION_OFFSET, hidden)
-        dec.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
-        dec.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
+        # A layer the checkpoint lacks is an nn.Identity: no parameters, the forward passes through it.
+        dec.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else nn.Identity()
+        dec.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else nn.Identity()
         # OPT-350m style (post-norm) checkpoints have no final norm.
-        pre_norm = config.get("do_layer_norm_before", True)
-        has_final_norm = pre_norm and not config.get("_remove_final_layer_norm", False)
+        has_norm = config.get("do_layer_norm_before", True) and not config.get("_remove_final_layer_norm", False)
         affine = config.get("layer_norm_elementwise_affine", True)
-        dec.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_final_norm else None
+        dec.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_norm else nn.Identity()
         dec.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config["num_hidden_layers"]))
         self.hidden_size, self.vocab_size = proj_dim, config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
@@ -67,12 +67,7 @@ class OPTForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions):
         dec = self.model.decoder
-        x = dec.embed_tokens(input_ids)
-        if dec.project_in is not None:
-            x = dec.project_in(x)
-        x = x + dec.embed_positions(positions + POSITION_OFFSET)
+        x = dec.project_in(dec.embed_tokens(input_ids)) + dec.embed_positions(positions + POSITION_OFFSET)
         for layer in dec.layers:
             x = layer(x)
-        if dec.final_layer_norm is not None:
-            x = dec.final_layer_norm(x)
-        return dec.project_out(x) if dec.project_out is not None else x
+        return dec.project_out(dec.final_layer_norm(x))
