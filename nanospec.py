@@ -259,15 +259,12 @@ def accept_by_rejection(it: ScheduledSeq, logits: torch.Tensor) -> tuple[list[in
 
 
 def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
-    """Lossless speculative acceptance for a padded batch.
-
-    target_probs [B, K+1, V]; draft_tokens [B, K]; draft_probs [B, K, V], or None for one-hot drafts
-    (n-gram); num_drafts [B] (rows past it are padding); uniform [B, K] in [0, 1); exp_noise [B, V] Exp(1).
+    """Lossless speculative acceptance for a padded batch: target_probs [B, K+1, V]; draft_tokens [B, K];
+    draft_probs [B, K, V], or None for one-hot drafts (n-gram); num_drafts [B] (rows past it are padding);
+    uniform [B, K] in [0, 1); exp_noise [B, V] Exp(1). Returns (num_accepted [B], next_token [B]).
     Accept d_i with prob min(1, p(d_i) / q(d_i)) up to the first rejection; then emit one token: from
     norm(max(p - q, 0)) at a rejection (the "recovered" token) or from p at row K_b when every draft
-    was accepted (the "bonus" token), sampled as argmax(dist / Exp(1)), which needs no normalisation.
-    Returns (num_accepted [B], next_token [B]).
-    """
+    was accepted (the "bonus" token), sampled as argmax(dist / Exp(1)), which needs no normalisation."""
     num_seqs, max_k = draft_tokens.shape
     batch = torch.arange(num_seqs, device=target_probs.device)
     if max_k == 0:
@@ -484,15 +481,13 @@ def interpolate(table: dict[int, float], x: int) -> float:
 
 
 class GoodputChooser:
-    """Pick each sequence's K for a step to maximise expected tokens per second (goodput).
-
-    With a_i the rate at which a sequence's draft position i is accepted given that every earlier one
-    was, its step emits 1 + a_0 + a_0*a_1 + ... + a_0*...*a_{K-1} tokens in expectation (the recovered
-    or bonus token always comes): each draft is worth the chance that it and every draft before it are
-    accepted. A step costs verify(sum of K+1 over the batch) + max K * draft_step(sequences drafting).
-    K = 0 is plain decoding. The costs are tables of measured seconds, seeded by a short profile at
-    start-up and refined (EMA) from real steps; the a_i are each request's own (acceptance_estimate).
-    """
+    """Pick each sequence's K for a step to maximise expected tokens per second (goodput). With a_i the
+    rate at which a sequence's draft position i is accepted given that every earlier one was, its step
+    emits 1 + a_0 + a_0*a_1 + ... + a_0*...*a_{K-1} tokens in expectation (the recovered or bonus token
+    always comes): each draft is worth the chance that it and every draft before it are accepted. A step
+    costs verify(sum of K+1 over the batch) + max K * draft_step(sequences drafting); K = 0 is plain
+    decoding. The costs are tables of measured seconds, seeded by a short profile at start-up and
+    refined (EMA) from real steps; the a_i are each request's own (acceptance_estimate)."""
 
     def __init__(self, k_max: int, verify_time: dict[int, float], ema: float = 0.1):
         self.k_max, self.ema = k_max, ema
