@@ -56,10 +56,7 @@ class SamplingParams:
 
 
 class Sequence:
-    _ids = itertools.count()
-
     def __init__(self, prompt_ids: list[int], params: SamplingParams, device):
-        self.seq_id = next(Sequence._ids)
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
@@ -551,7 +548,7 @@ class Scheduler:
     running: list = field(default_factory=list)
 
     def choose_k(self) -> dict[int, int]:
-        """K per decoding sequence this step (seq_id -> K; absent: 0). A request's own num_spec_tokens
+        """K per decoding sequence this step (sequence -> K; absent: 0). A request's own num_spec_tokens
         caps it; it never turns speculation on while the engine has it off."""
         limit = self.spec_disable_batch_size
         if not self.num_spec_tokens or (limit is not None and len(self.running) > limit):
@@ -562,7 +559,7 @@ class Scheduler:
                 for s in decoding]
         ks = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)]) \
             if self.chooser else caps
-        return {s.seq_id: k for s, k in zip(decoding, ks)}
+        return dict(zip(decoding, ks))
 
     def schedule(self) -> list[ScheduledSeq]:
         budget, scheduled, ks = self.max_num_batched_tokens, [], self.choose_k()
@@ -570,7 +567,7 @@ class Scheduler:
             if seq not in self.running or budget == 0:
                 continue  # preempted earlier in this loop, or no token budget left
             num_tokens = min(len(seq) - seq.num_cached, budget)
-            k = min(ks.get(seq.seq_id, 0), budget - num_tokens, self.max_model_len - len(seq))
+            k = min(ks.get(seq, 0), budget - num_tokens, self.max_model_len - len(seq))
             # Trees for coupled requests only: unseeded sampling's rejection sampler takes chains.
             tree = k and self.spec_tree_nodes > 0 and couples(seq)
             nodes = min(max(k, self.spec_tree_nodes), budget - num_tokens) if tree else k  # the node budget
