@@ -603,10 +603,9 @@ class Scheduler:
 
     def remove(self, seq: Sequence):
         """A finished or aborted sequence leaves the queues and returns every block."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
         self.blocks.free(seq)
 
 
