@@ -22,10 +22,13 @@ from nanospec import LLM, SamplingParams, read_prompts_file, spec_metrics
 WORKLOADS = {"grounded": "bench_grounded.jsonl", "chat": "chat.jsonl"}
 
 
-def read_workload(spec: str) -> list[str]:
-    """A built-in workload's prompts, or a JSONL file's."""
+def read_workload(spec: str, chat_tokenizer=None) -> list[str]:
+    """A built-in workload's prompts, or a JSONL file's, in the chat template of a tokenizer that has one."""
     path = Path(__file__).with_name("examples") / WORKLOADS[spec] if spec in WORKLOADS else spec
-    return read_prompts_file(path)
+    prompts = read_prompts_file(path)
+    if chat_tokenizer and chat_tokenizer.chat_template:
+        prompts = [chat_tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    return prompts
 
 
 def run_nanospec(llm: LLM, prompts, params, repeat):
@@ -124,16 +127,12 @@ def sweep(args):
                                                        for n in (trees if d in ("ngram", "suffix") else [0])]
     results = []
     base = LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch_sizes))
-    workload = read_workload(args.workload)
-    if args.chat and base.tokenizer and base.tokenizer.chat_template:
-        workload = [base.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in workload]
+    workload = read_workload(args.workload, base.tokenizer if args.chat else None)
     hf = None
     if args.baseline == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from models.gguf import default_model_path
-        path = model or default_model_path()
-        hf = (AutoModelForCausalLM.from_pretrained(path, dtype=base.dtype).to(args.device).eval(),
-              AutoTokenizer.from_pretrained(path))
+        hf = (AutoModelForCausalLM.from_pretrained(base.model_path, dtype=base.dtype).to(args.device).eval(),
+              AutoTokenizer.from_pretrained(base.model_path))
     with Progress(transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(configs) * len(batch_sizes))
         for draft, k, nodes in configs:

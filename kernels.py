@@ -5,6 +5,7 @@
 # whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless
 # forced (tests, under TRITON_INTERPRET=1).
 import ctypes
+import functools
 import hashlib
 import os
 import subprocess
@@ -29,8 +30,7 @@ class AttentionContext:
     block_tables: torch.Tensor     # [B, max_blocks] block ids per sequence (-1 padded)
     seq_lens: torch.Tensor         # [B] context length including this step's tokens
     query_start_loc: torch.Tensor  # [B+1] cu_seqlens of the packed queries
-    max_q_len: int                 # host-side maxima, so no op needs a device->host sync
-    max_seq_len: int
+    max_q_len: int                 # on the host, so no op needs a device->host sync
     # Tree verification (None otherwise). Token t attends to logical positions 0..tree_pos[t]; the last W
     # of them are its root-to-node path, read from physical positions tree_keys[t] ([T, W]; others read
     # their own position). So a node's keys sit in the reduction order exactly where plain decoding of
@@ -84,7 +84,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
 
 
-def _load_cpu_kernels():
+@functools.cache
+def cpu_kernels():
+    """The compiled C kernels, or None; built and loaded on first call."""
     source = Path(__file__).with_name("cpu_kernels.c")  # missing where an install kept only .py files
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
@@ -111,17 +113,6 @@ def _load_cpu_kernels():
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
     return lib
-
-
-_cpu_lib = "not loaded"
-
-
-def cpu_kernels():
-    """The compiled C kernels, or None; built and loaded on first call."""
-    global _cpu_lib
-    if _cpu_lib == "not loaded":
-        _cpu_lib = _load_cpu_kernels()
-    return _cpu_lib
 
 
 def kernels_summary(device) -> str:
@@ -174,7 +165,7 @@ def attention(q, k, v, k_cache, v_cache, scale):
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
     fn = pick(q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention)
     return fn(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-              ctx.max_q_len, ctx.max_seq_len, ctx.tree_pos, ctx.tree_keys)
+              ctx.max_q_len, ctx.tree_pos, ctx.tree_keys)
 
 
 def linear(x, layer: "Linear"):
@@ -260,7 +251,7 @@ def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                          max_q_len=None, max_seq_len=None, tree_pos=None, tree_keys=None):
+                          max_q_len=None, tree_pos=None, tree_keys=None):
     """Causal attention of packed queries q [T, Hq, D] over the paged cache -> [T, Hq, D]. Query j of
     sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it (with a tree:
     logical positions <= tree_pos[t], see AttentionContext). Each query is attended on its own, over
@@ -284,7 +275,7 @@ def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_sta
 
 
 def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                      max_q_len=None, max_seq_len=None, tree_pos=None, tree_keys=None):
+                      max_q_len=None, tree_pos=None, tree_keys=None):
     """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (fp32 or bf16)."""
     q = q.contiguous()
     tables, seq_lens, starts = (t.long().contiguous() for t in (block_tables, seq_lens, query_start_loc))
@@ -405,14 +396,12 @@ def triton_store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, tree_pos_ptr, tree_keys_ptr, tree_width, scale, segment_len, stride_qt,
-        stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_cb, stride_cs, stride_ch,
-        stride_bt, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-        DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        tree_pos_ptr, tree_keys_ptr, tree_width, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cb, stride_cs, stride_ch, stride_bt, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Q: tl.constexpr, TREE: tl.constexpr):
-    q_block, seq = tl.program_id(0), tl.program_id(1)
-    kv_head, segment = tl.program_id(2) // NUM_SEGMENTS, tl.program_id(2) % NUM_SEGMENTS
+    q_block, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:  # the grid is sized for the longest query; this sequence is done
@@ -439,12 +428,11 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's scores
     l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)        # running sum of exp2(score - m_i) * v
-    # This program's keys: its segment, cut at the tile's last query position (nothing later is
-    # visible to any of its rows). A segment can be empty, or invisible to some rows: those keep
-    # m_i = -inf and l_i = 0 (guarded below and at the end: no NaN).
-    kv_start = segment * segment_len
-    kv_end = tl.minimum(tl.max(tl.where(row_ok, q_pos, -1)) + 1, kv_start + segment_len)
-    for tile_start in range(kv_start, kv_end, BLOCK_N):
+    # Keys from position 0 up to the tile's last query position (nothing later is visible to any of its
+    # rows). Every row, padding included, sees position 0: from the first tile on m_i is finite (no
+    # -inf - -inf = NaN) and l_i >= 1 (the row's max scores exp2(0) = 1).
+    kv_end = tl.max(tl.where(row_ok, q_pos, -1)) + 1
+    for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         phys = pos
@@ -463,64 +451,41 @@ def _paged_attention_kernel(
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key visible yet: -inf - -inf = NaN
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    # l_i >= 1 once a row has seen a key (its max scores exp2(0) = 1) and 0 if none: clamping to 1
-    # makes an empty row's output 0 and its log-sum-exp m_i = -inf, without NaN.
-    l_i = tl.maximum(l_i, 1.0)
     out = acc / l_i[:, None]
-    out_ptrs = out_ptr + segment * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    if NUM_SEGMENTS > 1:  # natural-log sum of this segment's exp(scores), to weight it in the merge
-        lse = (m_i + tl.log2(l_i)) / 1.4426950408889634
-        tl.store(lse_ptr + segment * stride_ls + token * stride_lt + head, lse, mask=row_ok)
-
-
-KV_SEGMENT = 512  # keys per split-KV segment: fixed, so a sequence's split depends on its length alone
+    out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                           max_q_len, max_seq_len, tree_pos=None, tree_keys=None):
+                           max_q_len, tree_pos=None, tree_keys=None):
     """Unified varlen paged attention: one kernel for prefill chunks, decode and verification. Grid
-    (query blocks, sequences, kv heads x KV segments), sized from the host ints max_q_len and max_seq_len
-    (no sync); programs past their sequence's q_len exit at once. A tile's BLOCK_M rows are (query,
-    head-in-group) pairs, so the GQA heads sharing a KV head read each K/V tile once. BLOCK_M = 64 rows
-    (more for GQA groups over 64) whatever the step, and KV_SEGMENT-key segments from position 0: a
-    query's arithmetic never depends on its batch partners (row invariance). BLOCK_N = 64 cache positions
-    per step, gathered through the block table per position, so any block size (even 1) works. fp32 dots
-    use "ieee". With several KV segments each program writes its segment's normalised output and
-    log-sum-exp in fp32, and a softmax over the segments' lse merges them (a segment past a sequence's end
-    has weight exactly 0, so a short sequence gets the unsplit bits). With a tree, one query per tile (its
-    rows alone in the same tile shape: the same bits), so a node's path can remap the tile's key positions."""
-    num_tokens, num_heads, head_dim = q.shape
+    (query blocks, sequences, kv heads), sized from the host int max_q_len (no sync); programs past their
+    sequence's q_len exit at once. A tile's BLOCK_M rows are (query, head-in-group) pairs, so the GQA heads
+    sharing a KV head read each K/V tile once. BLOCK_M = 64 rows (more for GQA groups over 64) whatever the
+    step, and keys in BLOCK_N = 64 tiles from position 0: a query's arithmetic never depends on its batch
+    partners (row invariance). Keys are gathered through the block table per position, so any block size
+    (even 1) works. fp32 dots use "ieee". With a tree, one query per tile (its rows alone in the same tile
+    shape: the same bits), so a node's path can remap the tile's key positions."""
+    _, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert q.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
-        return out
     group = num_heads // num_kv_heads
     block_m = max(64, _pow2(group))  # per model, never per step: a query's tile shape is always the same
     block_q = 1 if tree_pos is not None else block_m // group
-    segments = triton.cdiv(max_seq_len, KV_SEGMENT)
-    # Unsplit, the kernel writes the output directly (as segment 0 of a [1, T, Hq, D] view).
-    f32 = dict(dtype=torch.float32, device=q.device)
-    partial = out[None] if segments == 1 else torch.empty(segments, *q.shape, **f32)
-    lse = torch.empty(segments, num_tokens, num_heads, **f32)  # written only when split
     tree = (seq_lens, seq_lens, 0) if tree_pos is None else (tree_pos, tree_keys, tree_keys.shape[1])
-    grid = (triton.cdiv(max_q_len, block_q), seq_lens.shape[0], num_kv_heads * segments)
+    grid = (triton.cdiv(max_q_len, block_q), seq_lens.shape[0], num_kv_heads)
     _launch(_paged_attention_kernel, grid, (
-        q, k_cache, v_cache, partial, lse, block_tables, seq_lens, query_start_loc, *tree, scale, KV_SEGMENT,
-        q.stride(0), q.stride(1), *partial.stride()[:3], *lse.stride()[:2], *k_cache.stride()[:3],
-        block_tables.stride(0)), 4, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
-        DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=64, NUM_SEGMENTS=segments, BLOCK_Q=block_q,
-        TREE=tree_pos is not None)
-    if segments > 1:  # each segment's share of the total softmax mass is softmax(lse) over segments
-        out.copy_((torch.softmax(lse, dim=0)[..., None] * partial).sum(0))
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, *tree, scale, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0)), 4,
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m,
+        BLOCK_N=64, BLOCK_Q=block_q, TREE=tree_pos is not None)
     return out
 
 

@@ -19,7 +19,7 @@ import torch
 
 import kernels
 from kernels import AttentionContext
-from models import eos_token_ids, load_model, load_tokenizer
+from models import eos_token_ids, load_model, load_tokenizer, require
 from paged_kv import BlockManager, allocate_kv_cache, bytes_per_block
 
 
@@ -52,15 +52,11 @@ class SamplingParams:
             "seed": self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2**64,  # torch takes
         }
         for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"SamplingParams.{name} has an invalid value: {getattr(self, name)!r}")
+            require(ok, f"SamplingParams.{name} has an invalid value: {getattr(self, name)!r}")
 
 
 class Sequence:
-    _ids = itertools.count()
-
     def __init__(self, prompt_ids: list[int], params: SamplingParams, device):
-        self.seq_id = next(Sequence._ids)
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.params = params
@@ -136,10 +132,10 @@ def tree_depths(parents: list[int]) -> list[int]:
     return depths
 
 
-def tree_layout(batch, parents: list[list[int]]) -> tuple[torch.Tensor, dict[int, list[int]]]:
-    """The logical positions of a forward's tokens, and each draft node's root-to-node path in cache
-    positions, keyed by the node's index in the forward. Tokens fill consecutive cache positions from
-    their start; a node at depth d takes the root's position + d, where plain decoding puts it."""
+def tree_layout(batch, parents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[int]]]:
+    """AttentionContext.tree_pos and tree_keys of a forward, and each draft node's root-to-node path in
+    cache positions, keyed by the node's index in the forward. Tokens fill consecutive cache positions
+    from their start; a node at depth d takes the root's position + d, where plain decoding puts it."""
     positions, paths = [], {}
     for (_, tokens, start), nodes in zip(batch, parents):
         root = start + len(tokens) - len(nodes) - 1  # the last token before the drafts
@@ -149,16 +145,11 @@ def tree_layout(batch, parents: list[list[int]]) -> tuple[torch.Tensor, dict[int
             node_paths.append((node_paths[p] if p >= 0 else [root]) + [root + 1 + i])
             paths[len(positions)] = node_paths[-1]
             positions.append(root + len(node_paths[-1]) - 1)
-    return torch.tensor(positions), paths
-
-
-def tree_keys(positions: torch.Tensor, paths: dict[int, list[int]]) -> torch.Tensor:
-    """AttentionContext.tree_keys: [T, W] cache positions of each token's last W logical keys."""
-    width = max(map(len, paths.values()))
-    keys = positions[:, None] - width + 1 + torch.arange(width)  # a token off the tree reads its own
+    positions, width = torch.tensor(positions), max(map(len, paths.values()))
+    keys = positions[:, None] - width + 1 + torch.arange(width)  # [T, W]; a token off the tree reads its own
     for t, path in paths.items():
         keys[t, width - len(path):] = torch.tensor(path)
-    return keys
+    return positions, keys, paths
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,8 +183,7 @@ def top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
-    best = logits.max(-1, keepdim=True).indices
-    return torch.zeros(logits.shape, device=logits.device).scatter_(-1, best, 1.0)
+    return torch.nn.functional.one_hot(logits.max(-1).indices, logits.shape[-1]).float()
 
 
 def exp_noise(generator: torch.Generator, vocab: int, device) -> torch.Tensor:
@@ -224,30 +214,32 @@ def couples(seq: Sequence) -> bool:
     return seq.params.temperature == 0 or seq.params.seed is not None
 
 
-def accept_coupled(sampling: list[ScheduledSeq], logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
-    """The token at each position is the target's own sample there: the argmax of the logits (greedy)
-    or argmax(p / E) with the position's noise E. A draft is accepted iff it equals that token: from the
-    last token down the tree, the child equal to the token its parent's row gives; the token after the
-    last accepted draft is emitted (the recovered or the bonus token). An exact sample from the target;
-    one-hot drafts are accepted with probability p(d), as rejection sampling does.
-    Returns the accepted path (draft indices) and the next token per sequence."""
+def accept(sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+    """(accepted path of draft indices, next token) per sequence, from its rows of logits: the coupled
+    acceptance for greedy and seeded requests, the rejection sampler for the others."""
+    starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
     best = logits.max(-1).indices.tolist()  # the step's one host sync; max: 2x faster than bf16 argmax
-    paths, next_tokens, row = [], [], 0
-    for it in sampling:
-        def target_token(node: int, depth: int) -> int:  # of node's row: the token at len(seq) + depth
-            if it.seq.params.temperature == 0:
-                return best[row + node + 1]
-            probs = logits_to_probs(logits[row + node + 1][None], [it.seq])[0]
-            return sample_at(probs, it.seq, len(it.seq) + depth)
-        path, token = [], target_token(-1, 0)
-        while (child := next((i for i, (d, p) in enumerate(zip(it.drafts, it.parents))
-                              if d == token and p == (path[-1] if path else -1)), None)) is not None:
-            path.append(child)
-            token = target_token(child, len(path))  # each row's token is computed once
-        paths.append(path)
-        next_tokens.append(token)
-        row += len(it.drafts) + 1
-    return paths, next_tokens
+    return [accept_coupled(it, logits[a:b], best[a:b]) if couples(it.seq)
+            else accept_by_rejection(it, logits[a:b]) for it, a, b in zip(sampling, starts, starts[1:])]
+
+
+def accept_coupled(it: ScheduledSeq, logits: torch.Tensor, best: list[int]) -> tuple[list[int], int]:
+    """The token at each position is the target's own sample there: the argmax of the logits (greedy,
+    `best` per row) or argmax(p / E) with the position's noise E. A draft is accepted iff it equals that
+    token: from the last token down the tree, the child equal to the token its parent's row gives; the
+    token after the last accepted draft is emitted (the recovered or the bonus token). An exact sample
+    from the target; one-hot drafts are accepted with probability p(d), as rejection sampling does."""
+    def target_token(node: int, depth: int) -> int:  # of node's row: the token at len(seq) + depth
+        if it.seq.params.temperature == 0:
+            return best[node + 1]
+        probs = logits_to_probs(logits[node + 1][None], [it.seq])[0]
+        return sample_at(probs, it.seq, len(it.seq) + depth)
+    path, token = [], target_token(-1, 0)
+    while (child := next((i for i, (d, p) in enumerate(zip(it.drafts, it.parents))
+                          if d == token and p == (path[-1] if path else -1)), None)) is not None:
+        path.append(child)
+        token = target_token(child, len(path))  # each row's token is computed once
+    return path, token
 
 
 def accept_by_rejection(it: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -264,15 +256,12 @@ def accept_by_rejection(it: ScheduledSeq, logits: torch.Tensor) -> tuple[list[in
 
 
 def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
-    """Lossless speculative acceptance for a padded batch.
-
-    target_probs [B, K+1, V]; draft_tokens [B, K]; draft_probs [B, K, V], or None for one-hot drafts
-    (n-gram); num_drafts [B] (rows past it are padding); uniform [B, K] in [0, 1); exp_noise [B, V] Exp(1).
+    """Lossless speculative acceptance for a padded batch: target_probs [B, K+1, V]; draft_tokens [B, K];
+    draft_probs [B, K, V], or None for one-hot drafts (n-gram); num_drafts [B] (rows past it are padding);
+    uniform [B, K] in [0, 1); exp_noise [B, V] Exp(1). Returns (num_accepted [B], next_token [B]).
     Accept d_i with prob min(1, p(d_i) / q(d_i)) up to the first rejection; then emit one token: from
     norm(max(p - q, 0)) at a rejection (the "recovered" token) or from p at row K_b when every draft
-    was accepted (the "bonus" token), sampled as argmax(dist / Exp(1)), which needs no normalisation.
-    Returns (num_accepted [B], next_token [B]).
-    """
+    was accepted (the "bonus" token), sampled as argmax(dist / Exp(1)), which needs no normalisation."""
     num_seqs, max_k = draft_tokens.shape
     batch = torch.arange(num_seqs, device=target_probs.device)
     if max_k == 0:
@@ -489,15 +478,13 @@ def interpolate(table: dict[int, float], x: int) -> float:
 
 
 class GoodputChooser:
-    """Pick each sequence's K for a step to maximise expected tokens per second (goodput).
-
-    With a_i the rate at which a sequence's draft position i is accepted given that every earlier one
-    was, its step emits 1 + a_0 + a_0*a_1 + ... + a_0*...*a_{K-1} tokens in expectation (the recovered
-    or bonus token always comes): each draft is worth the chance that it and every draft before it are
-    accepted. A step costs verify(sum of K+1 over the batch) + max K * draft_step(sequences drafting).
-    K = 0 is plain decoding. The costs are tables of measured seconds, seeded by a short profile at
-    start-up and scaled (EMA) to real steps; the a_i are each request's own (acceptance_estimate).
-    """
+    """Pick each sequence's K for a step to maximise expected tokens per second (goodput). With a_i the
+    rate at which a sequence's draft position i is accepted given that every earlier one was, its step
+    emits 1 + a_0 + a_0*a_1 + ... + a_0*...*a_{K-1} tokens in expectation (the recovered or bonus token
+    always comes): each draft is worth the chance that it and every draft before it are accepted. A step
+    costs verify(sum of K+1 over the batch) + max K * draft_step(sequences drafting); K = 0 is plain
+    decoding. The costs are tables of measured seconds, seeded by a short profile at start-up and
+    scaled (EMA) to real steps; the a_i are each request's own (acceptance_estimate)."""
 
     def __init__(self, k_max: int, verify_time: dict[int, float], ema: float = 0.1):
         self.k_max, self.ema = k_max, ema
@@ -570,7 +557,7 @@ class Scheduler:
     running: list = field(default_factory=list)
 
     def choose_k(self) -> dict[int, int]:
-        """K per decoding sequence this step (seq_id -> K; absent: 0). A request's own num_spec_tokens
+        """K per decoding sequence this step (sequence -> K; absent: 0). A request's own num_spec_tokens
         caps it; it never turns speculation on while the engine has it off."""
         limit = self.spec_disable_batch_size
         if not self.num_spec_tokens or (limit is not None and len(self.running) > limit):
@@ -581,7 +568,7 @@ class Scheduler:
                 for s in decoding]
         ks = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)]) \
             if self.chooser else caps
-        return {s.seq_id: k for s, k in zip(decoding, ks)}
+        return dict(zip(decoding, ks))
 
     def schedule(self) -> list[ScheduledSeq]:
         budget, scheduled, ks = self.max_num_batched_tokens, [], self.choose_k()
@@ -589,7 +576,7 @@ class Scheduler:
             if seq not in self.running or budget == 0:
                 continue  # preempted earlier in this loop, or no token budget left
             num_tokens = min(len(seq) - seq.num_cached, budget)
-            k = min(ks.get(seq.seq_id, 0), budget - num_tokens, self.max_model_len - len(seq))
+            k = min(ks.get(seq, 0), budget - num_tokens, self.max_model_len - len(seq))
             # Trees for coupled requests only: unseeded sampling's rejection sampler takes chains.
             tree = k and self.spec_tree_nodes > 0 and couples(seq)
             nodes = min(max(k, self.spec_tree_nodes), budget - num_tokens) if tree else k  # the node budget
@@ -625,10 +612,9 @@ class Scheduler:
 
     def remove(self, seq: Sequence):
         """A finished or aborted sequence leaves the queues and returns every block."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
         self.blocks.free(seq)
 
 
@@ -644,23 +630,21 @@ class LLMEngine:
         if num_spec_tokens is None:  # a draft without a K: auto
             num_spec_tokens = "auto" if draft else 0
         k = num_spec_tokens if isinstance(num_spec_tokens, int) else 8  # 8: auto's largest K
-        for ok, problem in [  # checked before any model loads
-            (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
-            (max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {max_num_seqs}"),
-            (kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {kv_cache_gib}"),
-            (num_blocks is None or num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"),
-            (num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
-             f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}"),
-            (not num_spec_tokens or draft,
-             "num_spec_tokens > 0 needs a draft: 'ngram', 'suffix', a model folder or 'mlp:PATH'"),
-            (max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one token "
-                                                      f"plus {k} drafts, got {max_num_batched_tokens}"),
-            (1 <= ngram_min <= ngram_max, f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}"),
-            (not spec_tree_nodes or draft in ("ngram", "suffix"),
-             f"spec_tree_nodes needs draft 'ngram' or 'suffix', got {draft!r}"),
-        ]:
-            if not ok:
-                raise ValueError(problem)
+        # Checked before any model loads.
+        require(block_size >= 1, f"block_size must be >= 1, got {block_size}")
+        require(max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        require(kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        require(num_blocks is None or num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}")
+        require(num_spec_tokens == "auto" or isinstance(num_spec_tokens, int) and num_spec_tokens >= 0,
+                f"num_spec_tokens must be an int >= 0 or 'auto', got {num_spec_tokens!r}")
+        require(not num_spec_tokens or draft,
+                "num_spec_tokens > 0 needs a draft: 'ngram', 'suffix', a model folder or 'mlp:PATH'")
+        require(max_num_batched_tokens >= 1 + max(k, 0), f"max_num_batched_tokens must leave room for one "
+                f"token plus {k} drafts, got {max_num_batched_tokens}")
+        require(1 <= ngram_min <= ngram_max,
+                f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+        require(not spec_tree_nodes or draft in ("ngram", "suffix"),
+                f"spec_tree_nodes needs draft 'ngram' or 'suffix', got {draft!r}")
         if model is None:
             from models.gguf import default_model_path
             model = default_model_path()
@@ -676,14 +660,12 @@ class LLMEngine:
         # The context is the shortest any model can position: the target's, a draft model's, and a
         # sliding-window model's window (models/llama.py). Asking for more is an error, not a silent cap.
         limit = min(m.max_position_embeddings for m in cache_models)
-        if (max_model_len or 0) > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds {limit}, the longest context the target "
-                             "and draft models can position (a sliding-window model stops at its window)")
+        require((max_model_len or 0) <= limit, f"max_model_len {max_model_len} exceeds {limit}, the longest "
+                "context the models can position (a sliding-window model stops at its window)")
         self.max_model_len = max_model_len or limit
         if num_blocks is None:  # one pool: a block id costs its K/V in the target and in the draft
             num_blocks = int(kv_cache_gib * 2**30) // bytes_per_block(cache_models, block_size, self.dtype)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_gib {kv_cache_gib} is too small for one KV block")
+        require(num_blocks >= 1, f"kv_cache_gib {kv_cache_gib} is too small for one KV block")
         self.kv_caches = [allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device)
                           for m in cache_models]
         self.blocks = BlockManager(num_blocks, block_size)
@@ -705,41 +687,36 @@ class LLMEngine:
         if draft.startswith("mlp:"):
             from models.mlp_speculator import load_speculator
             speculator = load_speculator(draft[4:], self.dtype, self.device)
-            shape, target = (speculator.emb_dim, speculator.vocab_size), (self.model.hidden_size,
-                                                                          self.model.vocab_size)
-            if shape != target:
-                raise ValueError(f"{draft}: speculator (emb_dim, vocab) {shape} does not fit the target's "
-                                 f"(hidden, vocab) {target}")
-            if num_spec_tokens != "auto" and num_spec_tokens > speculator.n_predict:
-                raise ValueError(f"num_spec_tokens {num_spec_tokens} exceeds the speculator's n_predict "
-                                 f"{speculator.n_predict}")
+            shape = (speculator.emb_dim, speculator.vocab_size)
+            target = (self.model.hidden_size, self.model.vocab_size)
+            require(shape == target, f"{draft}: speculator (emb_dim, vocab) {shape} does not fit the "
+                    f"target's (hidden, vocab) {target}")
+            require(num_spec_tokens == "auto" or num_spec_tokens <= speculator.n_predict, f"num_spec_tokens "
+                    f"{num_spec_tokens} exceeds the speculator's n_predict {speculator.n_predict}")
             return MLPProposer(speculator)
         draft_model, _ = load_model(draft, self.dtype, self.device)
-        if draft_model.vocab_size != self.model.vocab_size:
-            raise ValueError(f"{draft}: draft vocabulary ({draft_model.vocab_size}) differs from the "
-                             f"target's ({self.model.vocab_size})")
+        require(draft_model.vocab_size == self.model.vocab_size, f"{draft}: draft vocabulary "
+                f"({draft_model.vocab_size}) differs from the target's ({self.model.vocab_size})")
         return DraftModelProposer(draft_model, token_budget)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
         params = params or SamplingParams()
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer.json: pass token ids instead of text")
+            require(self.tokenizer is not None,
+                    "this model folder has no tokenizer.json: pass token ids instead of text")
             prompt = self.tokenizer.encode(prompt)
-        if not prompt:
-            raise ValueError("prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.model.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {self.model.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens but the context is {self.max_model_len} "
-                             f"(max_model_len): it must leave room for at least one new token")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-        needed = self.blocks.blocks_for(min(len(prompt) + params.max_tokens, self.max_model_len))
-        if needed > self.blocks.num_blocks:
-            raise ValueError(f"request needs {needed} KV blocks but the pool has {self.blocks.num_blocks}: "
-                             "raise num_blocks / kv_cache_gib or lower max_tokens")
+        vocab, context = self.model.vocab_size, self.max_model_len
+        require(prompt, "prompt is empty")
+        require(all(isinstance(t, int) and 0 <= t < vocab for t in prompt),
+                f"prompt token ids must be ints in [0, {vocab})")
+        require(len(prompt) < context, f"prompt has {len(prompt)} tokens but the context is {context} "
+                "(max_model_len): it must leave room for at least one new token")
+        require(not params.stop or self.tokenizer is not None,
+                "stop strings need a tokenizer; use stop_token_ids")
+        needed = self.blocks.blocks_for(min(len(prompt) + params.max_tokens, context))
+        require(needed <= self.blocks.num_blocks, f"request needs {needed} KV blocks but the pool has "
+                f"{self.blocks.num_blocks}: raise num_blocks / kv_cache_gib or lower max_tokens")
         seq = Sequence(prompt, params, self.device)
         self.scheduler.waiting.append(seq)
         return seq
@@ -764,7 +741,7 @@ class LLMEngine:
             self.blocks.free(probe)
 
     def profile_verify(self, max_tokens: int) -> dict[int, float]:
-        """Seconds per target forward and logits for 1, 2, 4, ... tokens: the chooser's starting cost table."""
+        """Seconds per target forward and its logits for 1, 2, 4, ... tokens: the chooser's first costs."""
         table, tokens = {}, 1
         while tokens <= min(max_tokens, 512, self.blocks.num_blocks * self.block_size, self.max_model_len):
             times = []
@@ -800,11 +777,11 @@ class LLMEngine:
         query_start_loc = torch.tensor([0] + list(itertools.accumulate(q_lens)))
         dev = self.device
         ctx = AttentionContext(slot_mapping.to(dev), block_tables.to(dev), torch.tensor(seq_lens, device=dev),
-                               query_start_loc.to(dev), max(q_lens), max(seq_lens))
+                               query_start_loc.to(dev), max(q_lens))
         if parents and any(nodes != list(range(-1, len(nodes) - 1)) for nodes in parents):  # not all chains
             # A tree node's logical position (its depth past the last token) differs from its cache slot.
-            positions, paths = tree_layout(batch, parents)
-            ctx.tree_pos, ctx.tree_keys = positions.to(dev), tree_keys(positions, paths).to(dev)
+            positions, keys, _ = tree_layout(batch, parents)
+            ctx.tree_pos, ctx.tree_keys = positions.to(dev), keys.to(dev)
         kernels.context = ctx
         try:
             hidden = model(input_ids.to(dev), positions.to(dev))
@@ -841,11 +818,10 @@ class LLMEngine:
         rows = [r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)]
         logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
         # Accept, then commit: the accepted drafts and one more token per sampling sequence.
-        first_row = 0
-        for it, (path, token) in zip(sampling, accept(sampling, logits)):
-            own = [first_row] + [first_row + 1 + node for node in path]  # the rows that produced the tokens
+        starts = itertools.accumulate((len(it.drafts) + 1 for it in sampling), initial=0)
+        for it, start, (path, token) in zip(sampling, starts, accept(sampling, logits)):
+            own = [start] + [start + 1 + node for node in path]  # the rows that produced the tokens
             self.commit(it, path, token, hidden[rows[own[-1]]], logits[own])
-            first_row += len(it.drafts) + 1
         chooser = self.scheduler.chooser
         if chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
             # Verification is all the rest of the step: each draft also costs a logits row, its share of
@@ -922,26 +898,13 @@ class LLMEngine:
 
     def output(self, seq: Sequence) -> RequestOutput:
         first = seq.first_token_time or seq.finish_time
-        num_tokens = len(seq.output_ids)
         return RequestOutput(
             seq.token_ids[:seq.num_prompt_tokens], seq.output_ids, seq.text, seq.finish_reason,
             seq.num_drafted, seq.num_accepted, seq.num_spec_steps, seq.logprobs,
             {i: seq.accepted_per_position[i] / n for i, n in sorted(seq.drafted_per_position.items())},
             dict(seq.drafted_per_position),
-            ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(num_tokens - 1, 1),
+            ttft=first - seq.arrival_time, tpot=(seq.finish_time - first) / max(len(seq.output_ids) - 1, 1),
             latency=seq.finish_time - seq.arrival_time)
-
-
-def accept(sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[list[int], int]]:
-    """(accepted path of draft indices, next token) per sequence: the coupled acceptance for greedy and
-    seeded requests, all at once; the rejection sampler for the others, one sequence at a time."""
-    starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
-    coupled = [i for i, it in enumerate(sampling) if couples(it.seq)]
-    rows = torch.tensor([r for i in coupled for r in range(starts[i], starts[i + 1])], dtype=torch.long)
-    paths_tokens = accept_coupled([sampling[i] for i in coupled], logits[rows.to(logits.device)])
-    results = dict(zip(coupled, zip(*paths_tokens)))
-    return [results[i] if i in results else accept_by_rejection(it, logits[starts[i]:starts[i + 1]])
-            for i, it in enumerate(sampling)]
 
 
 class LLM(LLMEngine):
@@ -952,8 +915,8 @@ class LLM(LLMEngine):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        require(len(sampling_params) == len(prompts),
+                f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         from rich.progress import Progress
         seqs = []
         try:
@@ -990,7 +953,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", help="auto (the default), float32, bfloat16 or float16")
     p.add_argument("--device", help="cpu (the default) or cuda")
     p.add_argument("--draft", help="'ngram', 'suffix', a draft model folder or 'mlp:PATH' (MLP speculator)")
-    p.add_argument("--num-spec-tokens", help="K drafts per step, or 'auto' (the default with --draft)")
+    p.add_argument("--num-spec-tokens", type=lambda k: int(k) if k.isdigit() else k,
+                   help="K drafts per step, or 'auto' (the default with --draft)")
     p.add_argument("--spec-tree-nodes", type=int, help="verify a tree of up to N drafts (ngram, suffix)")
     p.add_argument("--spec-disable-batch-size", type=int,
                    help="run without speculation while more than this many sequences are running")
@@ -1007,8 +971,7 @@ def read_prompts_file(path: str) -> list[str]:
         for i, line in enumerate(f, 1):
             if line.strip():
                 row = json.loads(line)
-                if "prompt" not in row and "turns" not in row:
-                    raise ValueError(f"{path}:{i}: needs a 'prompt' or 'turns' field")
+                require("prompt" in row or "turns" in row, f"{path}:{i}: needs a 'prompt' or 'turns' field")
                 prompts.append(row["prompt"] if "prompt" in row else row["turns"][0])
     return prompts
 
@@ -1051,25 +1014,20 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     return table
 
 
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from rich.console import Console
     console = Console()
-    k = args.num_spec_tokens
-    args.num_spec_tokens = int(k) if k and k.isdigit() else k
     engine_args = inspect.signature(LLMEngine.__init__).parameters  # the flags named like LLMEngine's
     settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
     try:
-        params = SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
+        sampling = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs")
+        params = SamplingParams(**{name: getattr(args, name) for name in sampling})
         llm = LLM(**settings)
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         prompts = prompts or ["Write a short poem about the sea."]
         if args.chat:
-            if llm.tokenizer is None:
-                raise ValueError("--chat needs a tokenizer.json in the model folder")
+            require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
             prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)

@@ -42,17 +42,23 @@ class BlockManager:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
 
+def attention_layers(model) -> list:
+    """The modules that attend over a KV cache: those with a k_cache (set by allocate_kv_cache)."""
+    return [m for m in model.modules() if hasattr(m, "k_cache")]
+
+
 def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
     """What one block id costs across every model that shares the pool (target and draft)."""
-    per_token = sum(2 * m.num_layers * m.num_kv_heads * m.head_dim for m in models)
+    per_token = sum(2 * a.num_kv_heads * a.head_dim for m in models for a in attention_layers(m))
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
-    """Allocate one model's cache, [2 (K and V), num_layers, num_blocks, block_size, num_kv_heads, head_dim],
+    """Allocate one model's cache, [2 (K and V), layers, num_blocks, block_size, num_kv_heads, head_dim],
     and hand each attention layer its K and V views."""
-    shape = (2, model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    layers = attention_layers(model)
+    shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     cache = torch.zeros(shape, dtype=dtype, device=device)
-    for i, attn in enumerate(model.attention_layers()):
+    for i, attn in enumerate(layers):
         attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
     return cache

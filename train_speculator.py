@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from bench import read_workload
 from models import load_model
-from models.gguf import default_model_path
-from models.mlp_speculator import VOCAB_FILE, MLPSpeculator
+from models.mlp_speculator import VOCAB_FILE, MLPSpeculator, tied_name
 from nanospec import LLM, SamplingParams
 
 
@@ -66,16 +66,13 @@ def new_speculator(target_path: str, n_predict: int) -> tuple[MLPSpeculator, dic
                   emb_dim=target.hidden_size, inner_dim=0, n_predict=n_predict, vocab_size=target.vocab_size,
                   tie_weights=True, scale_input=True, torch_dtype="float32")
     spec = MLPSpeculator(config)
-    embed, head = target.embedding_weight(), target.lm_head.weight
+    embed = next(m.weight for name, m in target.named_modules() if name.endswith("embed_tokens"))
     with torch.no_grad():
-        for i in range(n_predict):
-            spec.emb[i].weight = spec.emb[0].weight  # tied: one emb, head and ln; proj 1..n shared
-            spec.head[i].weight = spec.head[0].weight
-            spec.ln[i] = spec.ln[0]
-            if i > 1:
-                spec.proj[i] = spec.proj[1]
+        for name, source in spec.tied_weights.items():  # one emb, head and ln for all heads; proj 1..n shared
+            module, _, param = name.rpartition(".")
+            setattr(spec.get_submodule(module), param, spec.get_parameter(source))
         spec.emb[0].weight.copy_(embed.float())
-        spec.head[0].weight.copy_(head.float())
+        spec.head[0].weight.copy_(target.lm_head.weight.float())
     spec.emb[0].weight.requires_grad_(False)
     return spec, config
 
@@ -89,33 +86,22 @@ def frequent_tokens(labels: torch.Tensor, n: int, vocab_size: int) -> torch.Tens
 
 def save(spec: MLPSpeculator, config: dict, out: str, full_head: torch.Tensor):
     os.makedirs(out, exist_ok=True)
-    names = ["emb.0.weight", "head.0.weight", "ln.0.weight", "ln.0.bias", "proj.0.weight"] + \
-            (["proj.1.weight"] if spec.n_predict > 1 else [])
     state = spec.state_dict()
     if spec.vocab_ids is not None:  # the checkpoint keeps the full layout: trained rows among the target's
         state["head.0.weight"] = full_head.index_copy(0, spec.vocab_ids, state["head.0.weight"])
         save_file({"token_ids": spec.vocab_ids}, os.path.join(out, VOCAB_FILE))
-    weights = {f"speculator.{n}": state[n].contiguous() for n in names}
+    weights = {f"speculator.{n}": t.contiguous() for n, t in state.items() if tied_name(n) == n}  # tied once
     save_file(weights, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
 
-def read_prompts(files: list[str], chat_tokenizer) -> list[str]:
-    from bench import read_workload
-    prompts = [p for f in files for p in read_workload(f)]
-    if chat_tokenizer and chat_tokenizer.chat_template:
-        prompts = [chat_tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    return prompts
-
-
 def train(args):
     from rich.progress import Progress
     torch.manual_seed(args.seed)
-    target_path = args.model or default_model_path()
-    llm = LLM(target_path, dtype=args.dtype, max_num_seqs=32)
-    spec, config = new_speculator(target_path, args.n_predict)
-    prompts = read_prompts(args.prompts, llm.tokenizer)[:args.max_prompts or None]
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=32)  # None: the default model
+    spec, config = new_speculator(llm.model_path, args.n_predict)
+    prompts = [p for f in args.prompts for p in read_workload(f, llm.tokenizer)][:args.max_prompts or None]
     data = collect(llm, prompts, args.max_tokens)
     # Every position whose next token is in the same sequence is a training example.
     positions = (data["doc"][1:] == data["doc"][:-1]).nonzero().flatten()

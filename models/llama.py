@@ -9,32 +9,27 @@ from torch import nn
 from kernels import attention, rms_norm, rotary, silu_mul
 
 
-def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
-    """Rotary inverse frequencies, with llama3 scaling when config asks for it."""
+def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] float32 = [cos | sin] of position * inv_freq, the inverse frequencies
+    with llama3 scaling when config asks for it."""
     # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type != "llama3":
+    if rope_type not in ("default", "llama3"):
         raise ValueError(f"config.json: unsupported rope scaling type {rope_type!r}")
-    factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
-    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
-    low_wavelen, high_wavelen, wavelen = old_len / low, old_len / high, 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] float32 = [cos | sin] of position * inv_freq."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"),
-                        rope_inv_freq(config, head_dim))
+    if rope_type == "llama3":
+        factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        low_wavelen, high_wavelen, wavelen = old_len / low, old_len / high, 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
@@ -66,7 +61,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
         self.k_cache = self.v_cache = None  # views into the engine's KV pool, set by allocate_kv_cache
 
-    def forward(self, x, cos_sin):
+    def forward(self, x, cos_sin=None):  # cos_sin None: no rotary (OPT)
         qkv = self.qkv_proj(x)
         heads = (self.num_heads, self.num_kv_heads)
         # q and k sit side by side in each row of qkv: view them as one [T, Hq + Hkv, D] tensor and
@@ -76,7 +71,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = q_k.split(heads, dim=1)
             q_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = rotary(q_k, cos_sin).split(heads, dim=1)
+        q, k = (q_k if cos_sin is None else rotary(q_k, cos_sin)).split(heads, dim=1)
         out = attention(q, k, v, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -122,17 +117,15 @@ class LlamaForCausalLM(nn.Module):
         if arch == "Qwen2ForCausalLM":  # Qwen2 always has q/k/v bias and never an o_proj bias
             flags.update(qkv_bias=True, o_bias=False)
         self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
-        self.num_layers = config["num_hidden_layers"]
         self.model = nn.Module()  # a namespace: parameter names are the checkpoint's ("model.layers.0...")
         self.model.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, **flags) for _ in range(self.num_layers))
+        layers = (DecoderLayer(config, **flags) for _ in range(config["num_hidden_layers"]))
+        self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(self.hidden_size, config["rms_norm_eps"])
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
         # A tied head is the embedding matrix itself: the loader fills lm_head.weight from it.
         self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"} \
             if config.get("tie_word_embeddings", False) else {}
-        attn = self.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.max_position_embeddings = config.get("max_position_embeddings", 4096)
         uses_window = arch == "MistralForCausalLM" or config.get("use_sliding_window")
         window = config.get("sliding_window") if uses_window else None
@@ -141,11 +134,8 @@ class LlamaForCausalLM(nn.Module):
             # so the context is capped there rather than silently computing something else.
             self.max_position_embeddings = min(self.max_position_embeddings, window)
         # rope_cache builds on the CPU explicitly: models are constructed on the meta device.
-        self.register_buffer("cos_sin_cache", rope_cache(config, self.head_dim, self.max_position_embeddings),
-                             persistent=False)
-
-    def attention_layers(self):
-        return [layer.self_attn for layer in self.model.layers]
+        cos_sin = rope_cache(config, self.model.layers[0].self_attn.head_dim, self.max_position_embeddings)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(self, input_ids, positions):
         """Packed tokens [T] at positions [T] -> final-norm hidden states [T, H]."""
@@ -157,6 +147,3 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos_sin)
         x, _ = self.model.norm(x, residual)
         return x
-
-    def embedding_weight(self):
-        return self.model.embed_tokens.weight

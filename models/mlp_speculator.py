@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from kernels import use_linears
-from models import load_weights, read_config, resolve_dtype
+from models import load_weights, read_config, require, resolve_dtype
 
 # Optional, beside the ibm-fms layout: the token ids a reduced head scores (other engines ignore the file).
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -91,8 +91,8 @@ def tied_name(name: str) -> str:
 
 def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
     config = read_config(path)
-    if config.get("model_type") != "mlp_speculator":
-        raise ValueError(f"{path}: model_type {config.get('model_type')!r} is not 'mlp_speculator'")
+    require(config.get("model_type") == "mlp_speculator",
+            f"{path}: model_type {config.get('model_type')!r} is not 'mlp_speculator'")
     with torch.device("meta"):
         model = MLPSpeculator(config)
     load_weights(model, path, resolve_dtype(dtype, config, device), device)
@@ -104,8 +104,9 @@ def load_speculator(path: str, dtype="auto", device="cpu") -> MLPSpeculator:
 
 def read_vocab(vocab_file: str, vocab_size: int) -> torch.Tensor:
     token_ids = load_file(vocab_file).get("token_ids")
-    if token_ids is None or token_ids.dim() != 1 or len(token_ids) == 0:
-        raise ValueError(f"{vocab_file}: expected a 1-d tensor 'token_ids'")
-    if token_ids.min() < 0 or token_ids.max() >= vocab_size or len(token_ids.unique()) != len(token_ids):
-        raise ValueError(f"{vocab_file}: 'token_ids' must be distinct ids in [0, {vocab_size})")
+    require(token_ids is not None and token_ids.dim() == 1 and len(token_ids) > 0,
+            f"{vocab_file}: expected a 1-d tensor 'token_ids'")
+    in_range = 0 <= token_ids.min() and token_ids.max() < vocab_size
+    require(in_range and len(token_ids.unique()) == len(token_ids),
+            f"{vocab_file}: 'token_ids' must be distinct ids in [0, {vocab_size})")
     return token_ids.long()

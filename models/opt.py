@@ -1,29 +1,13 @@
 # OPT decoder: learned positions (offset 2), LayerNorm before or after each block, ReLU MLP, and
 # project_in/project_out when word_embed_proj_dim differs from hidden_size. Same varlen forward and
-# paged attention as every other model; never a model-specific attention path.
+# paged attention as every other model; never a model-specific attention path: OPT's is Llama's
+# Attention without rotary.
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import attention
+from models.llama import Attention
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
-
-
-class OPTAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, bias: bool):
-        super().__init__()
-        self.num_heads = self.num_kv_heads = num_heads
-        self.head_dim = hidden // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_cache = self.v_cache = None
-
-    def forward(self, x):
-        q, k, v = (t.reshape(-1, self.num_heads, self.head_dim) for t in self.qkv_proj(x).chunk(3, dim=-1))
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = attention(q, k, v, self.k_cache, self.v_cache, self.scale)
-        return self.out_proj(out.reshape(x.shape))
 
 
 class OPTDecoderLayer(nn.Module):
@@ -32,7 +16,7 @@ class OPTDecoderLayer(nn.Module):
         hidden, bias = config["hidden_size"], config.get("enable_bias", True)
         affine = config.get("layer_norm_elementwise_affine", True)
         self.pre_norm = config.get("do_layer_norm_before", True)
-        self.self_attn = OPTAttention(hidden, config["num_attention_heads"], bias)
+        self.self_attn = Attention(config, qkv_bias=bias, o_bias=bias, qk_norm=False)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.fc1 = nn.Linear(hidden, config["ffn_dim"], bias=bias)
         self.fc2 = nn.Linear(config["ffn_dim"], hidden, bias=bias)
@@ -61,16 +45,15 @@ class OPTForCausalLM(nn.Module):
         self.model.decoder = dec = nn.Module()
         dec.embed_tokens = nn.Embedding(config["vocab_size"], proj_dim)
         dec.embed_positions = nn.Embedding(config["max_position_embeddings"] + POSITION_OFFSET, hidden)
-        dec.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else None
-        dec.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else None
+        # A layer the checkpoint lacks is an nn.Identity: no parameters, the forward passes through it.
+        dec.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else nn.Identity()
+        dec.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else nn.Identity()
         # OPT-350m style (post-norm) checkpoints have no final norm.
         pre_norm = config.get("do_layer_norm_before", True)
-        has_final_norm = pre_norm and not config.get("_remove_final_layer_norm", False)
+        has_norm = pre_norm and not config.get("_remove_final_layer_norm", False)
         affine = config.get("layer_norm_elementwise_affine", True)
-        dec.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_final_norm else None
+        dec.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_norm else nn.Identity()
         dec.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config["num_hidden_layers"]))
-        self.num_layers, self.num_kv_heads = config["num_hidden_layers"], dec.layers[0].self_attn.num_heads
-        self.head_dim = dec.layers[0].self_attn.head_dim
         self.hidden_size, self.vocab_size = proj_dim, config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
@@ -80,22 +63,12 @@ class OPTForCausalLM(nn.Module):
     @staticmethod
     def rename(name: str) -> str:
         # facebook/opt-* checkpoints store "decoder.*"; transformers' own save writes "model.decoder.*".
+        name = name.replace(".self_attn.out_proj.", ".self_attn.o_proj.")  # Attention's name for it
         return "model." + name if name.startswith("decoder.") else name
-
-    def attention_layers(self):
-        return [layer.self_attn for layer in self.model.decoder.layers]
 
     def forward(self, input_ids, positions):
         dec = self.model.decoder
-        x = dec.embed_tokens(input_ids)
-        if dec.project_in is not None:
-            x = dec.project_in(x)
-        x = x + dec.embed_positions(positions + POSITION_OFFSET)
+        x = dec.project_in(dec.embed_tokens(input_ids)) + dec.embed_positions(positions + POSITION_OFFSET)
         for layer in dec.layers:
             x = layer(x)
-        if dec.final_layer_norm is not None:
-            x = dec.final_layer_norm(x)
-        return dec.project_out(x) if dec.project_out is not None else x
-
-    def embedding_weight(self):
-        return self.model.decoder.embed_tokens.weight
+        return dec.project_out(dec.final_layer_norm(x))

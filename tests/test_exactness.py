@@ -2,6 +2,7 @@
 # every implementation this machine can run (the C kernels for each ISA it can execute, the torch
 # references, Triton in the interpreter at fp32/fp16). This is what makes speculative output equal plain
 # decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to end.
+import functools
 from unittest import mock
 
 import pytest
@@ -21,11 +22,10 @@ def c_isa(request, monkeypatch):
     if ISAS.index(request.param) < ISAS.index(have):
         pytest.skip(f"this CPU runs {have}, not {request.param}")
     monkeypatch.setenv("NANOSPEC_ISA", request.param)
-    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))  # a rebuild
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
-    yield request.param
-    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")  # the next test rebuilds for this CPU
+    yield request.param  # then monkeypatch restores the build for this CPU
 
 
 def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
@@ -108,8 +108,7 @@ def attention_of_position_44(fn, dtype, block_size):
         offsets = [0, 45, 105, 135, 147]
         q = torch.cat([q_all[offsets[s] + context - q_len:offsets[s] + context]
                        for s, (context, q_len) in zip(index, seqs)])
-        out = fn(q, k_cache, v_cache, block_tables[index], seq_lens, starts, 0.25, int(q_lens.max()),
-                 int(seq_lens.max()))
+        out = fn(q, k_cache, v_cache, block_tables[index], seq_lens, starts, 0.25, int(q_lens.max()))
         rows[name] = out[int(starts[1]) - 1]  # the last query of the first sequence: position 44
     return rows
 
@@ -166,13 +165,13 @@ TREE_PARENTS = [-1, 0, 0, -1, 2, 4]  # depths 1, 2, 2, 1, 3, 4
 
 
 def tree_step(block_size, dtype):
-    from nanospec import tree_keys, tree_layout
+    from nanospec import tree_layout
     torch.manual_seed(3)
     q, k_cache, v_cache, block_tables, *_ = make_paged_batch([(37, 7), (12, 3)], block_size, 6, 2, 16, dtype)
     seq_lens, starts = torch.tensor([37, 12]), torch.tensor([0, 7, 10])
-    positions, paths = tree_layout([(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []])
-    tree = positions, tree_keys(positions, paths)
-    return (q, k_cache, v_cache, block_tables, seq_lens, starts, 0.25, 7, 37), tree, paths
+    positions, keys, paths = tree_layout([(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []])
+    tree = positions, keys
+    return (q, k_cache, v_cache, block_tables, seq_lens, starts, 0.25, 7), tree, paths
 
 
 def chain_reference(fn, args, paths):
@@ -194,7 +193,7 @@ def chain_reference(fn, args, paths):
 def alone(fn, q, k_cache, v_cache, block_table, context):
     """One sequence's len(q) last queries, an ordinary step."""
     seq_lens, starts = torch.tensor([context]), torch.tensor([0, len(q)])
-    return fn(q, k_cache, v_cache, block_table, seq_lens, starts, 0.25, len(q), context)
+    return fn(q, k_cache, v_cache, block_table, seq_lens, starts, 0.25, len(q))
 
 
 def check_tree_attention(fn, dtype, block_size):

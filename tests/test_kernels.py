@@ -2,6 +2,7 @@
 # printed on failure; NANOSPEC_TEST_SEED=<n> replays it). On CPU the kernels run under
 # TRITON_INTERPRET=1 (set in conftest.py), where fp32 and fp16 are exact but bf16 is broken.
 import contextlib
+import functools
 import os
 import random
 import subprocess
@@ -115,8 +116,7 @@ def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype)
     q_lens = torch.tensor([q_len for _, q_len in seqs], device=DEVICE)
     query_start_loc = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
     q, _, _ = qkv_views(int(q_lens.sum()), num_heads, num_kv_heads, head_dim, dtype)
-    return (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, head_dim ** -0.5,
-            int(q_lens.max()), int(seq_lens.max()))
+    return q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, head_dim ** -0.5, int(q_lens.max())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -124,10 +124,7 @@ def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [  # GQA ratios 1, 3, 4, 8
     (2, 2, 16), (6, 2, 64), (4, 1, 128), (8, 1, 64)])
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("kv_segment", [512, 64])  # 64: split-KV with a log-sum-exp merge
-def test_paged_attention(batch, kv_segment, block_size, num_heads, num_kv_heads, head_dim, dtype,
-                         monkeypatch):
-    monkeypatch.setattr(kernels, "KV_SEGMENT", kv_segment)
+def test_paged_attention(batch, block_size, num_heads, num_kv_heads, head_dim, dtype):
     args = make_paged_batch(BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype)
     assert_triton_matches_torch("paged_attention", *args, dtype=dtype)
 
@@ -178,6 +175,12 @@ def rope_cache(max_positions, head_dim, base=10000.0):
 # --------------------------------------------------------------------------------------------
 needs_c_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None,
                                      reason="cpu_kernels.c did not build here (no C compiler?)")
+
+
+def rebuild_cpu_kernels(monkeypatch):
+    """The next cpu_kernels() builds (or finds) and loads the library again, for this test's environment;
+    monkeypatch restores the cached one afterwards."""
+    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
 
 
 @needs_c_kernels
@@ -242,14 +245,14 @@ def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
         assert kernels.use_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].packed is not None
     with mock.patch.object(kernels, "c_rms_norm", side_effect=AssertionError("took the C path")):
         kernels.rms_norm(x.float(), weight.float(), 1e-6)
-    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+    rebuild_cpu_kernels(monkeypatch)
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.warns(UserWarning, match="cpu_kernels.c"):
         assert kernels.cpu_kernels() is None
     assert torch.equal(kernels.rms_norm(x, weight, 1e-6), kernels.torch_rms_norm(x, weight, 1e-6))
     assert kernels.use_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].packed is None
-    monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+    rebuild_cpu_kernels(monkeypatch)
     monkeypatch.setenv("NANOSPEC_CPU_KERNELS", "0")
     assert kernels.cpu_kernels() is None
 
@@ -265,7 +268,7 @@ def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     for isa in ("generic", "avx2"):
         monkeypatch.setenv("NANOSPEC_ISA", isa)
-        monkeypatch.setattr(kernels, "_cpu_lib", "not loaded")
+        rebuild_cpu_kernels(monkeypatch)
         if kernels.cpu_kernels() is None:
             continue
         assert kernels.cpu_isa() == isa and len(list(tmp_path.glob(f"cpu_kernels-{isa}-*.so"))) == 1
@@ -276,9 +279,9 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
     neither (torch's bf16 matmul is slow there); a GPU keeps a 16-bit checkpoint's dtype."""
     assert kernels.auto_dtype(torch.float16, "cuda") == torch.float16
     assert kernels.auto_dtype(torch.float32, "cuda") == torch.bfloat16
-    monkeypatch.setattr(kernels, "_cpu_lib", object())  # C kernels built
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: object())  # C kernels built
     assert kernels.auto_dtype(torch.float32, "cpu") == torch.bfloat16
-    monkeypatch.setattr(kernels, "_cpu_lib", None)  # no C kernels
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)  # no C kernels
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512_bf16"})
     assert kernels.auto_dtype(torch.float32, "cpu") == torch.bfloat16
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nanospec
-from nanospec import (SamplingParams, ScheduledSeq, Sequence, accept_coupled, logits_to_probs, rejection_sample,
+from nanospec import (SamplingParams, ScheduledSeq, Sequence, accept, logits_to_probs, rejection_sample,
                       sample_drafts)
 
 V, LENGTH = 5, 3  # vocabulary, and how many tokens each simulated generation keeps
@@ -116,7 +116,7 @@ def test_broken_residual_or_bonus_is_detected():
         assert chi2 > dof + 6 * (2 * dof) ** 0.5
 
 
-def simulate_coupled(target, draft, k, num_chains, one_hot_draft, seed, accept=accept_coupled):
+def simulate_coupled(target, draft, k, num_chains, one_hot_draft, seed, accept=accept):
     """The same synthetic world through the engine's seeded path: chain c is a Sequence seeded
     seed * num_chains + c; its drafts are the fixed tokens draft[i].argmax() (one-hot) or are sampled
     from draft[i] by sample_drafts with the noise of the position they are for; accept_coupled checks
@@ -135,7 +135,7 @@ def simulate_coupled(target, draft, k, num_chains, one_hot_draft, seed, accept=a
             for i in range(0 if one_hot_draft else k):
                 sample_drafts([item], draft[pos + i].log()[None])
             item.parents = list(range(-1, len(item.drafts) - 1))  # a chain
-            [path], [token] = accept([item], target[pos:pos + k + 1])
+            [(path, token)] = accept([item], target[pos:pos + k + 1])
             n = len(path)
             seq.token_ids += item.drafts[:n] + [token]
             counts += torch.tensor([k, n])
@@ -173,8 +173,7 @@ def test_broken_coupling_is_detected(monkeypatch):
     exact, n = joint_exact(target), 20_000
 
     def draft_on_rejection(items, logits):
-        paths, tokens = accept_coupled(items, logits)
-        return paths, [it.drafts[len(a)] if len(a) < len(it.drafts) else t for it, a, t in zip(items, paths, tokens)]
+        return [(a, it.drafts[len(a)] if len(a) < len(it.drafts) else t) for it, (a, t) in zip(items, accept(items, logits))]
 
     broken = simulate_coupled(target, draft, 2, n, False, 0, accept=draft_on_rejection)[0]
     with monkeypatch.context() as patch:
@@ -199,7 +198,7 @@ def test_greedy_reduces_to_argmax_matching():
     items = [SimpleNamespace(drafts=drafts, parents=list(range(-1, len(drafts) - 1)), seq=greedy_seq)
              for drafts, _ in cases]
     logits = torch.cat([p[0, :len(drafts) + 1].log() for drafts, _ in cases])
-    paths, next_tokens = accept_coupled(items, logits)
+    paths, next_tokens = zip(*accept(items, logits))
     assert [(len(path), token) for path, token in zip(paths, next_tokens)] == [want for _, want in cases]
     assert all(path == list(range(len(path))) for path in paths)
 
@@ -210,7 +209,7 @@ def test_coupled_acceptance_walks_the_tree():
     greedy_seq = Sequence([1], SamplingParams(temperature=0), "cpu")
     tree = SimpleNamespace(drafts=[0, 1, 2, 0], parents=[-1, -1, 1, 2], seq=greedy_seq)
     logits = torch.nn.functional.one_hot(torch.tensor([1, 0, 2, 1, 0]), 3).float()
-    assert accept_coupled([tree], logits) == ([[1, 2]], [1])
+    assert accept([tree], logits) == [([1, 2], 1)]
 
 
 def test_top_k_top_p_and_temperature_masks():
