@@ -521,8 +521,9 @@ class GoodputChooser:
         ratio = seconds / interpolate(self.verify_time, num_tokens)
         self.verify_scale += self.ema * (ratio - self.verify_scale)
 
-    def observe_time(self, table: dict[int, float], size: int, seconds: float):
-        table[size] = seconds if size not in table else table[size] + self.ema * (seconds - table[size])
+    def observe_draft(self, drafting: int, seconds: float):
+        old = self.draft_time.get(drafting, seconds)
+        self.draft_time[drafting] = old + self.ema * (seconds - old)
 
 
 def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
@@ -829,7 +830,7 @@ class LLMEngine:
             chooser.observe_verify(int(query_start[-1]), self.clock() - proposed)
             if speculating:
                 k = max(it.max_depth for it in scheduled)
-                chooser.observe_time(chooser.draft_time, len(speculating), (proposed - started) / k)
+                chooser.observe_draft(len(speculating), (proposed - started) / k)
         return [it.seq for it in sampling if it.seq.finish_reason is not None]
 
     # -- commit -----------------------------------------------------------------------------
