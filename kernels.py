@@ -1,7 +1,7 @@
 # The hot ops of every forward: linear layers, paged KV store, unified varlen paged attention, RMSNorm,
 # rotary and SiLU-and-mul. Each op has a plain-torch reference (`torch_*`), a Triton kernel (`triton_*`)
-# for GPUs unless it is elementwise, and on CPUs C kernels (`c_*`, cpu_kernels.c) where they pay. One
-# public function per op picks, by one rule (`pick`). Every implementation computes a row the same way
+# for GPUs unless it is elementwise or a copy, and on CPUs C kernels (`c_*`, cpu_kernels.c) where they
+# pay. One public function per op picks, by one rule (`pick`). Every implementation computes a row the same way
 # whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless
 # forced (tests, under TRITON_INTERPRET=1).
 import ctypes
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import nn
 
 # Tests set this (or NANOSPEC_TRITON=1) to run the Triton kernels on CPU under TRITON_INTERPRET=1.
@@ -137,10 +139,6 @@ def pick(x: torch.Tensor, triton_fn, c_fn, torch_fn):
     return torch_fn
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    return pick(k, triton_store_kv, None, torch_store_kv)(k, v, k_cache, v_cache, slot_mapping)
-
-
 def rms_norm(x, weight, eps, residual=None):
     bf16_c = c_rms_norm if x.dtype == weight.dtype == torch.bfloat16 else None  # fp32: torch's one op
     return pick(x, triton_rms_norm, bf16_c, torch_rms_norm)(x, weight, eps, residual)
@@ -241,11 +239,9 @@ def c_linear(x, packed, bias, out_features):
 
 # ---------------------------------------------------------------------------------------------
 # Paged attention, store_kv, norms, rotary, activations: torch references and C kernels.
-def torch_store_kv(k, v, k_cache, v_cache, slot_mapping):
-    """k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot -1 = skip."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):  # masking always would cost ~9 us a layer on the CPU, 2% of a decode step
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    """k, v: [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots. A pure copy, so one
+    implementation (torch's scatter) serves every device."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
@@ -338,16 +334,6 @@ def torch_silu_mul(x):
 # it. Every load and store is masked (the CPU interpreter does no bounds checking), tl.arange extents
 # are powers of two, tl.dot tiles are >= 16 in every dim, math is fp32 (rounded where the reference
 # rounds), stores are in the output dtype.
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # torch-only install: the definitions below still load, every triton_* op raises
-    from types import SimpleNamespace
-    triton, tl = SimpleNamespace(jit=lambda f=None, **_: f or (lambda g: g)), SimpleNamespace(constexpr=None)
-    HAS_TRITON = False
-
-
 def _pow2(n, at_least=1):
     return max(at_least, triton.next_power_of_2(n))
 
@@ -363,35 +349,6 @@ def _as_rows(x):
     """View x as [rows, last_dim] with unit column stride (copies only if it has to)."""
     x = x.reshape(-1, x.shape[-1])
     return x if x.stride(1) == 1 else x.contiguous()
-
-
-@triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                     num_kv_heads, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    heads = tl.arange(0, HEADS_PAD)[:, None]
-    dims = tl.arange(0, DIM_PAD)[None, :]
-    mask = (heads < num_kv_heads) & (dims < HEAD_DIM)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
-    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
-
-
-def triton_store_kv(k, v, k_cache, v_cache, slot_mapping):
-    """One program per new token copies its [Hkv, D] K and V rows into its cache slot (-1: skip). A pure
-    copy, bandwidth bound: one [Hkv, D] tile per program is a few KB, plenty for 4 warps."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert k.stride(2) == v.stride(2) == k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    _launch(_store_kv_kernel, (num_tokens,), (k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), *k_cache.stride()[:3], num_kv_heads), 4, BLOCK_SIZE=k_cache.shape[1],
-            HEAD_DIM=head_dim, HEADS_PAD=_pow2(num_kv_heads), DIM_PAD=_pow2(head_dim))
 
 
 @triton.jit
@@ -550,10 +507,3 @@ def triton_rms_norm(x, weight, eps, residual=None):
     _launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0),
             hidden, eps), min(max(block // 256, 1), 16), HAS_RESIDUAL=residual is not None, BLOCK=block)
     return out.view(shape) if residual is None else (out.view(shape), summed.view(shape))
-
-
-if not HAS_TRITON:
-    def _triton_missing(*args, **kwargs):
-        raise RuntimeError("Triton is not installed (pip install triton); the torch_* ops still work")
-
-    triton_store_kv = triton_linear = triton_paged_attention = triton_rms_norm = _triton_missing

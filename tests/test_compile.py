@@ -36,7 +36,6 @@ def compile_cases():
                                                          (128, 3, 4, 16, 9, 4, 2048), (64, 8, 8, 1, 8, 64, 1024)):
                 q_k = meta(batch * q_len, kv * (group + 1), d, dtype=dtype)  # a layer's q and k heads
                 cache = meta(ctx, bs, kv, d, dtype=dtype)
-                kernels.triton_store_kv(q_k[:, -kv:], q_k[:, -kv:], cache, cache, longs(batch * q_len))
                 tree = (longs(batch * q_len), longs(batch * q_len, 5)) if q_len == 9 else ()  # a draft tree
                 kernels.triton_paged_attention(q_k[:, :-kv], cache, cache, longs(batch, ctx // bs), longs(batch),
                                                longs(batch + 1), d ** -0.5, q_len, *tree)
