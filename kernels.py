@@ -1,9 +1,9 @@
 # The hot ops of every forward: linear layers, paged KV store, unified varlen paged attention, RMSNorm,
 # rotary and SiLU-and-mul. Each op has a plain-torch reference (`torch_*`), a Triton kernel (`triton_*`)
 # for GPUs unless it is elementwise or a copy, and on CPUs C kernels (`c_*`, cpu_kernels.c) where they
-# pay. One public function per op picks, by one rule (`pick`). Every implementation computes a row the same way
-# whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor unless
-# forced (tests, under TRITON_INTERPRET=1).
+# pay. One public function per op picks, by one rule (`pick`). Every implementation computes a row the
+# same way whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor
+# unless forced (tests, under TRITON_INTERPRET=1).
 import ctypes
 import functools
 import hashlib
