@@ -245,10 +245,13 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         max_score[i] = -INFINITY, total[i] = 0.0f;
     }
     for (int l0 = 0; l0 < all_keys; l0 += LANES) {
+        // A chunk within one block (no tree path in it) has consecutive slots: one table lookup.
+        int one_block = block_size % LANES == 0 && !(remap && l0 + LANES > remap_from);
+        int64_t first_slot = table[l0 / block_size] * block_size + l0 % block_size;
         for (int j = 0; j < LANES; j++) {  // key j in slot bit_reversed(j), the order sum_lanes wants
             int64_t l = l0 + j < all_keys ? l0 + j : l0;  // past the last key: a valid one, masked below
             if (remap && l >= remap_from) l = remap[l - remap_from];  // a tree node's path
-            int64_t slot = table[l / block_size] * block_size + l % block_size;
+            int64_t slot = one_block ? first_slot + j : table[l / block_size] * block_size + l % block_size;
             int64_t at = (slot * slot_stride + kv_head * head_dim) * elem;  // in bytes
             for (int c = 0; c < chunks; c++) {
                 keys[bit_reversed(j)][c] = load_vf((const char *)k_cache + at + c * LANES * elem, is_bf16);
@@ -300,13 +303,20 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache, co
 {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
+    // Blocks of queries as large as leave every thread two items (a decode or verify step at batch 1
+    // has few queries: with a block of 8 one thread would do all the work).
+    int block = tree_pos ? 1 : QUERY_BLOCK;
+    for (int64_t items = 0; block > 1; block /= 2, items = 0) {
+        for (int b = 0; b < num_seqs; b++)
+            items += (query_start_loc[b + 1] - query_start_loc[b] + block - 1) / block * num_kv_heads;
+        if (items >= 2 * threads) break;
+    }
     // Items start at every token; all but each block's first query return at once.
-    #pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (num_tokens * num_kv_heads > 4)
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (num_tokens * num_kv_heads > 1)
     for (int64_t item = 0; item < (int64_t)num_tokens * num_kv_heads; item++) {
         int t = (int)(item / num_kv_heads), kv_head = (int)(item % num_kv_heads), b = 0;
         while (query_start_loc[b + 1] <= t) b++;
         int first = (int)query_start_loc[b], q_len = (int)(query_start_loc[b + 1] - first);
-        int block = tree_pos ? 1 : QUERY_BLOCK;
         if ((t - first) % block) continue;
         int num_queries = q_len - (t - first) < block ? q_len - (t - first) : block;
         int num_keys = (int)seq_lens[b] - q_len + (t - first) + 1;  // keys 0..position

@@ -122,7 +122,17 @@ def check_attention(fn, dtype, block_size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_c_attention_query_is_invariant(c_isa, dtype, block_size):
-    check_attention(kernels.c_paged_attention, dtype, block_size)
+    """Also across thread counts: the kernel splits a few queries into smaller blocks for more threads."""
+    threads = torch.get_num_threads()
+    try:
+        rows = []
+        for n in (1, 2, 8):
+            torch.set_num_threads(n)
+            check_attention(kernels.c_paged_attention, dtype, block_size)
+            rows.append(attention_of_position_44(kernels.c_paged_attention, dtype, block_size)["verify"])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(row, rows[0]) for row in rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
