@@ -24,42 +24,53 @@ def test_acceptance_estimate_is_per_request_and_cautious():
 
 def test_chooser_turns_speculation_off_when_verification_is_expensive():
     linear = {t: 0.01 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}  # every verified token costs the same
-    chooser = GoodputChooser(8, linear)
-    assert chooser.choose([[0.6] * 8]) == [0] and chooser.choose([[0.6] * 8] * 16) == [0] * 16
+    chooser = GoodputChooser(8, linear, 0.0)
+    assert chooser.choose([[0.6] * 8], [0]) == [0] and chooser.choose([[0.6] * 8] * 16, [0] * 16) == [0] * 16
 
 
 def test_chooser_speculates_when_verification_is_cheap_and_acceptance_high():
     flat = {t: 0.02 + 0.0001 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}  # memory-bound: tokens nearly free
-    chooser = GoodputChooser(8, flat)
-    assert chooser.choose([[0.9] * 8]) == [8]
-    assert 0 < chooser.choose([[0.3] * 8])[0] < 8
-    assert chooser.choose([[0.9] * 3]) == [3]  # a sequence's K never exceeds its cap (its list's length)
+    chooser = GoodputChooser(8, flat, 0.0)
+    assert chooser.choose([[0.9] * 8], [0]) == [8]
+    assert 0 < chooser.choose([[0.3] * 8], [0])[0] < 8
+    assert chooser.choose([[0.9] * 3], [0]) == [3]  # a sequence's K never exceeds its cap (its list's length)
     # A cautious new request (prior 1/3) beside one with a proven record: the proven one drafts longer.
-    new, proven = chooser.choose([[1 / 3] * 8, [0.9] * 8])
+    new, proven = chooser.choose([[1 / 3] * 8, [0.9] * 8], [0, 0])
     assert 0 < new < proven
     # A batch large enough that verification becomes compute-bound makes speculation lose again.
     steep = {1: 0.02, 16: 0.03, 32: 0.06, 64: 0.12, 128: 0.24}
-    chooser = GoodputChooser(8, steep)
-    assert chooser.choose([[0.6] * 8])[0] > 0 and chooser.choose([[0.6] * 8] * 64) == [0] * 64
+    chooser = GoodputChooser(8, steep, 0.0)
+    assert chooser.choose([[0.6] * 8], [0])[0] > 0 and chooser.choose([[0.6] * 8] * 64, [0] * 64) == [0] * 64
 
 
 def test_chooser_counts_draft_cost():
-    chooser = GoodputChooser(8, {t: 0.02 for t in (1, 2, 4, 8, 16)})
-    cheap = chooser.choose([[0.5] * 8])[0]
+    chooser = GoodputChooser(8, {t: 0.02 for t in (1, 2, 4, 8, 16)}, 0.0)
+    cheap = chooser.choose([[0.5] * 8], [0])[0]
     chooser.draft_time = {1: 0.05}  # each draft step costs more than a whole verification
-    assert chooser.choose([[0.5] * 8])[0] < cheap
+    assert chooser.choose([[0.5] * 8], [0])[0] < cheap
 
 
 def test_real_steps_rescale_the_profile_not_one_size():
     """Real steps carry per-sequence work the start-up profile lacks. Observed at the one size a batch
     runs, they must raise every size's cost alike: a draft's relative cost keeps the profile's shape."""
     steep = {1: 0.02, 16: 0.03, 32: 0.06, 64: 0.12, 128: 0.24}
-    chooser = GoodputChooser(8, steep)
+    chooser = GoodputChooser(8, steep, 0.0)
     for _ in range(100):
-        chooser.observe_verify(64, 0.24)  # a batch of 64 at K = 0, twice the profile's time
-    assert chooser.step_time(64, 0, 0) == pytest.approx(0.24, rel=1e-3)
-    assert chooser.step_time(96, 0, 0) == pytest.approx(0.36, rel=1e-3)  # not the profile's 0.18
-    assert chooser.choose([[0.6] * 8] * 64) == [0] * 64
+        chooser.observe_verify(64, 0, 0.24)  # a batch of 64 at K = 0, twice the profile's time
+    assert chooser.step_time(64, 0, 0, 0) == pytest.approx(0.24, rel=1e-3)
+    assert chooser.step_time(96, 0, 0, 0) == pytest.approx(0.36, rel=1e-3)  # not the profile's 0.18
+    assert chooser.choose([[0.6] * 8] * 64, [0] * 64) == [0] * 64
+
+
+def test_chooser_counts_attention_over_the_context():
+    """Each token of a step attends to its sequence's cached keys: a long context makes drafts dearer."""
+    flat = {t: 0.010 + 0.0002 * t for t in (1, 2, 4, 8, 16)}
+    chooser = GoodputChooser(8, flat, key_time=1e-6)  # 1 us per token per key: 0.6 ms per token at 600
+    short, long = chooser.choose([[0.6] * 8], [10])[0], chooser.choose([[0.6] * 8], [600])[0]
+    assert 0 < long < short
+    assert chooser.step_time(5, 5 * 600, 4, 1) == pytest.approx(0.011 + 0.003)  # (drafts free here)
+    chooser.observe_verify(5, 5 * 600, 2 * 0.014)  # real steps twice the profile's: both terms scale
+    assert chooser.verify_scale == pytest.approx(1.1)
 
 
 @pytest.fixture(scope="module")

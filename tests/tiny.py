@@ -83,5 +83,5 @@ def cheap_verification(llm):
     whenever a request's drafts get accepted. What auto K decides otherwise follows this machine's timings
     (a noisy profile can make it keep K = 0 throughout); tests of exactness under changing K need drafts."""
     chooser = llm.scheduler.chooser
-    chooser.verify_time = {size: 1.0 for size in chooser.verify_time}
+    chooser.verify_time, chooser.key_time = {size: 1.0 for size in chooser.verify_time}, 0.0
     return llm
