@@ -375,9 +375,12 @@ class SuffixProposer:
     this request's prompt + output and in those of the last max_requests finished requests (kept across
     generate() calls); the continuations that followed the matches form a frequency-weighted trie, and its
     most probable path is proposed while the path probability stays >= min_prob, at most max_spec_factor x
-    the match length. A plain numpy scan per step, no index: O(remembered tokens), no upkeep."""
+    the match length. A chain whose longest match is in the request itself follows its latest occurrence
+    instead: the text being repeated now. A plain numpy scan per step, no index: O(remembered tokens).
+    (Fresh grounded requests, greedy, K = 4 / 8: 2.81 / 3.41 tokens per step; with the paper's factor 1
+    and frequency for chains too 2.60 / 2.92, n-gram 2.66 / 3.26.)"""
 
-    def __init__(self, max_requests=256, max_match=24, max_spec_factor=1.0, min_prob=0.1):
+    def __init__(self, max_requests=256, max_match=24, max_spec_factor=8.0, min_prob=0.1):
         self.finished = deque(maxlen=max_requests)  # the oldest request drops out first
         self.corpus = np.zeros(0, dtype=np.int64)    # the finished requests, each followed by -1
         self.max_match, self.max_spec_factor, self.min_prob = max_match, max_spec_factor, min_prob
@@ -392,6 +395,8 @@ class SuffixProposer:
         found = [(hay, *suffix_matches(hay, tokens, self.max_match)) for hay in (self.corpus, tokens)]
         m = max(length for _, length, _ in found)
         depth = min(depth, int(self.max_spec_factor * m))
+        if branches == 1 and found[1][1] == m > 0:
+            return draft_tree(continuations(tokens, found[1][2][-1:], depth), budget, 1, self.min_prob)
         rows = [continuations(hay, ends, depth) for hay, length, ends in found if length == m > 0]
         return draft_tree(np.concatenate(rows), budget, branches, self.min_prob) if rows else ([], [])
 

@@ -1,5 +1,5 @@
-# The suffix proposer (SuffixDecoding): frequency-scored continuations, adaptive length, a bounded memory
-# of finished requests across generate() calls, and greedy output identical to plain decoding.
+# The suffix proposer (SuffixDecoding): latest or frequency-scored continuations, adaptive length, a
+# bounded memory of finished requests across generate() calls, and greedy output identical to plain decoding.
 import numpy as np
 import pytest
 
@@ -18,15 +18,18 @@ def test_draft_tree_scores_by_frequency_and_stops_below_min_prob():
     assert draft_tree(rows, 8, 4, 0.0) == ([5, 6, 7, 9, 8], [-1, 0, 1, -1, 1])
 
 
-def test_suffix_proposes_the_most_frequent_continuation_of_the_longest_match():
-    proposer = SuffixProposer(max_match=4)
+def test_suffix_proposes_the_latest_repetition_in_the_request_and_the_most_frequent_elsewhere():
+    proposer = SuffixProposer(max_match=4, max_spec_factor=1.0)
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 9, 4, 2, 3, 8, 7, 2, 3])
-    # "2 3" is followed by 9 twice and by 8 once; the longer match "1 2 3" does not occur at the end.
-    assert proposer.tree(tokens, 1, 1, 1)[0] == [9]
-    # Match length 2 caps the proposal at 2 tokens (max_spec_factor 1) even with budget 8.
-    assert proposer.tree(tokens, 8, 8, 1)[0] == [9, 1]
-    assert SuffixProposer(max_spec_factor=2.0).tree(tokens, 8, 8, 1)[0] == [9, 1, 2, 3]
+    # "2 3" (the longer "1 2 3" does not occur at the end) was last followed by 8 7, most often by 9.
+    assert proposer.tree(tokens, 1, 1, 1)[0] == [8]
+    assert proposer.tree(tokens, 8, 8, 1)[0] == [8, 7]  # match length 2 caps it at 2 tokens (factor 1)
+    assert SuffixProposer(max_spec_factor=2.0).tree(tokens, 8, 8, 1)[0] == [8, 7, 2, 3]
+    assert proposer.tree(tokens, 2, 1, 2)[0] == [9, 8]  # a tree: every continuation, the most frequent first
     assert proposer.tree(np.array([1, 2, 3]), 4, 4, 1) == ([], [])
+    for finished in ([5, 6, 1], [5, 6, 2], [5, 6, 1]):  # finished requests: the most frequent continuation
+        proposer.remember(finished)
+    assert proposer.tree(np.array([4, 5, 6]), 1, 1, 1)[0] == [1]
 
 
 def test_memory_spans_requests_and_evicts_the_oldest():
