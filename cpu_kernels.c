@@ -82,16 +82,16 @@ static inline float hmax(vf v) {  // a max is exact in any order
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
 #define PANELS (LANES == 16 ? 4 : 1)
 
-static inline void load_pair(const void *w, int64_t pair_row, int v, int w_bf16, vf wk[2]) {
-    if (w_bf16) {  // pair_row: panel * K2 + k / 2; v: which LANES-wide slice of the panel's 16 columns
+// Weights of k = 2 * (pair_row % K2) + half for LANES columns (v: which slice of the panel's 16).
+static inline vf load_half(const void *w, int64_t pair_row, int v, int half, int w_bf16) {
+    vf wk;
+    if (w_bf16) {
         vu u;
         __builtin_memcpy(&u, (const uint32_t *)w + pair_row * PANEL + v * LANES, sizeof u);
-        wk[0] = (vf)(u << 16), wk[1] = (vf)(u & 0xFFFF0000u);
-        return;
+        return (vf)(half ? u & 0xFFFF0000u : u << 16);
     }
-    const float *f = (const float *)w + pair_row * 2 * PANEL + v * LANES;
-    __builtin_memcpy(&wk[0], f, sizeof(vf));
-    __builtin_memcpy(&wk[1], f + PANEL, sizeof(vf));
+    __builtin_memcpy(&wk, (const float *)w + (pair_row * 2 + half) * PANEL + v * LANES, sizeof wk);
+    return wk;
 }
 
 static inline uint32_t x_pair(const bf16 *x, int64_t i, int both) {  // x[i] low, x[i + 1] (or 0) high
@@ -120,14 +120,14 @@ linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, i
         }
     } else
 #endif
-    for (int64_t kp = 0; kp < K2; kp++) {
-        vf wk[PANELS * PV][2];
-        for (int v = 0; v < panels * PV; v++) load_pair(w, (p0 + v / PV) * K2 + kp, v % PV, w_bf16, wk[v]);
-        for (int k = 2 * kp; k < 2 * kp + 2 && k < K; k++)
-            for (int r = 0; r < rows; r++) {
-                vf xk = (vf){} + load_f(x, (m0 + r) * K + k, x_bf16);
-                for (int v = 0; v < panels * PV; v++) acc[r][v] += xk * wk[v][k & 1];  // contracted to an FMA
-            }
+    for (int64_t k = 0; k < K; k++) {  // one k at a time: a pair's second half would hold registers
+        vf wk[PANELS * PV];
+        for (int v = 0; v < panels * PV; v++)
+            wk[v] = load_half(w, (p0 + v / PV) * K2 + k / 2, v % PV, k & 1, w_bf16);
+        for (int r = 0; r < rows; r++) {
+            vf xk = (vf){} + load_f(x, (m0 + r) * K + k, x_bf16);
+            for (int v = 0; v < panels * PV; v++) acc[r][v] += xk * wk[v];  // contracted to an FMA
+        }
     }
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < panels * PV; v++) {

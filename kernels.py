@@ -28,7 +28,7 @@ FORCE_TRITON = os.environ.get("NANOSPEC_TRITON") == "1"
 # reads it, so nothing has to be threaded through the model's call signatures.
 @dataclass(slots=True)
 class AttentionContext:
-    slot_mapping: torch.Tensor     # [T] cache slot of each new token (-1: do not store)
+    slot_mapping: torch.Tensor     # [T] cache slot of each new token
     block_tables: torch.Tensor     # [B, max_blocks] block ids per sequence (-1 padded)
     seq_lens: torch.Tensor         # [B] context length including this step's tokens
     query_start_loc: torch.Tensor  # [B+1] cu_seqlens of the packed queries
