@@ -25,7 +25,7 @@ def test_suffix_proposes_the_latest_repetition_in_the_request_and_the_most_frequ
     assert proposer.tree(tokens, 1, 1, 1)[0] == [8]
     assert proposer.tree(tokens, 8, 8, 1)[0] == [8, 7]  # match length 2 caps it at 2 tokens (factor 1)
     assert SuffixProposer(max_spec_factor=2.0).tree(tokens, 8, 8, 1)[0] == [8, 7, 2, 3]
-    assert proposer.tree(tokens, 2, 1, 2)[0] == [9, 8]  # a tree: every continuation, the most frequent first
+    assert proposer.tree(tokens, 2, 1, 2)[0] == [8, 9]  # a tree: the latest first, then by frequency
     assert proposer.tree(np.array([1, 2, 3]), 4, 4, 1) == ([], [])
     for finished in ([5, 6, 1], [5, 6, 2], [5, 6, 1]):  # finished requests: the most frequent continuation
         proposer.remember(finished)
