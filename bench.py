@@ -61,9 +61,8 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
     """transformers generate on the same prompts, batch_size at a time as padded batches (prompt lookup
     only supports batch 1). Counts real tokens: up to and including each row's first EOS."""
     tokenizer.padding_side = "left"
-    kwargs = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    if prompt_lookup:
-        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+    kwargs = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                  prompt_lookup_num_tokens=prompt_lookup)  # None: generate's default, no prompt lookup
     warm = tokenizer(prompts[:1], return_tensors="pt", add_special_tokens=False).to(model.device)
     model.generate(**warm, **{**kwargs, "max_new_tokens": 4})
     runs = []
@@ -113,10 +112,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def sweep(args):
+def main(argv=None):
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
+    args = parse_args(argv)
     model = None if args.model == "default" else args.model
     drafts = args.draft.split(",")
     ks = [k if k == "auto" else int(k) for k in args.num_spec_tokens.split(",")]
@@ -141,8 +141,7 @@ def sweep(args):
             llm = base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device,
                                                    max_num_seqs=max(batch_sizes), **spec)
             for b in batch_sizes:
-                n = args.num_prompts or b
-                prompts = [workload[i % len(workload)] for i in range(n)]
+                prompts = [workload[i % len(workload)] for i in range(args.num_prompts or b)]
                 llm.scheduler.max_num_seqs = b
                 # warm-up, on a prompt of its own: the suffix proposer remembers finished requests
                 llm.generate(["Hello"], SamplingParams(max_tokens=8), use_progress=False)
@@ -183,10 +182,6 @@ def sweep(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "machine": machine, "results": results}, f, indent=1)
-
-
-def main(argv=None):
-    sweep(parse_args(argv))
 
 
 if __name__ == "__main__":
