@@ -127,9 +127,8 @@ class LlamaForCausalLM(nn.Module):
         self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"} \
             if config.get("tie_word_embeddings", False) else {}
         self.max_position_embeddings = config.get("max_position_embeddings", 4096)
-        uses_window = arch == "MistralForCausalLM" or config.get("use_sliding_window")
-        window = config.get("sliding_window") if uses_window else None
-        if window:
+        window = config.get("sliding_window")
+        if window and (arch == "MistralForCausalLM" or config.get("use_sliding_window")):
             # Sliding-window attention is not implemented; within the window it equals full attention,
             # so the context is capped there rather than silently computing something else.
             self.max_position_embeddings = min(self.max_position_embeddings, window)
