@@ -89,11 +89,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: dict, **attn_flags):
         super().__init__()
-        eps = config["rms_norm_eps"]
         self.self_attn = Attention(config, **attn_flags)
         self.mlp = MLP(config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False))
-        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.input_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
     def forward(self, x, residual, cos_sin):
         # The residual stream is carried separately so each norm can fuse "add residual, then norm".
