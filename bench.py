@@ -15,10 +15,9 @@ import torch
 from nanospec import LLM, SamplingParams, read_prompts_file, spec_metrics
 
 # The built-in workloads, in examples/. 'grounded': 16 functions of Python's standard library (3.11) to
-# rewrite with comments, an input-grounded workload where prompt lookup should shine. 'chat': general-
-# assistant requests for train_speculator.py, written for nanospec so a speculator can learn the target's
-# chat answers offline (topics x kinds of task, any 60 in a row cover every topic and every task).
-# MT-bench stays held apart for evaluation.
+# rewrite with comments, an input-grounded workload where prompt lookup should shine. 'chat':
+# general-assistant requests written for nanospec, train_speculator.py's offline training set (topics x kinds
+# of task, any 60 in a row cover every topic and every task). MT-bench stays held apart for evaluation.
 WORKLOADS = {"grounded": "bench_grounded.jsonl", "chat": "chat.jsonl"}
 
 
