@@ -135,10 +135,9 @@ def main(argv=None):
     with Progress(transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(configs) * len(batch_sizes))
         for draft, k, nodes in configs:
-            spec = dict(draft=draft, num_spec_tokens=k, spec_disable_batch_size=args.spec_disable_batch_size,
-                        spec_tree_nodes=nodes)
-            llm = base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device,
-                                                   max_num_seqs=max(batch_sizes), **spec)
+            options = dict(draft=draft, num_spec_tokens=k, max_num_seqs=max(batch_sizes),
+                           spec_tree_nodes=nodes, spec_disable_batch_size=args.spec_disable_batch_size)
+            llm = base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device, **options)
             for b in batch_sizes:
                 prompts = [workload[i % len(workload)] for i in range(args.num_prompts or b)]
                 llm.scheduler.max_num_seqs = b
