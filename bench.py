@@ -15,10 +15,9 @@ import torch
 from nanospec import LLM, SamplingParams, read_prompts_file, spec_metrics
 
 # The built-in workloads, in examples/. 'grounded': 16 functions of Python's standard library (3.11) to
-# rewrite with comments, an input-grounded workload where prompt lookup should shine. 'chat': general-
-# assistant requests for train_speculator.py, written for nanospec so a speculator can learn the target's
-# chat answers offline (topics x kinds of task, any 60 in a row cover every topic and every task).
-# MT-bench stays held apart for evaluation.
+# rewrite with comments, an input-grounded workload where prompt lookup should shine. 'chat':
+# general-assistant requests written for nanospec, train_speculator.py's offline training set (topics x kinds
+# of task, any 60 in a row cover every topic and every task). MT-bench stays held apart for evaluation.
 WORKLOADS = {"grounded": "bench_grounded.jsonl", "chat": "chat.jsonl"}
 
 
@@ -61,9 +60,8 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
     """transformers generate on the same prompts, batch_size at a time as padded batches (prompt lookup
     only supports batch 1). Counts real tokens: up to and including each row's first EOS."""
     tokenizer.padding_side = "left"
-    kwargs = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    if prompt_lookup:
-        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+    kwargs = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                  prompt_lookup_num_tokens=prompt_lookup)  # None: generate's default, no prompt lookup
     warm = tokenizer(prompts[:1], return_tensors="pt", add_special_tokens=False).to(model.device)
     model.generate(**warm, **{**kwargs, "max_new_tokens": 4})
     runs = []
@@ -113,10 +111,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def sweep(args):
+def main(argv=None):
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
+    args = parse_args(argv)
     model = None if args.model == "default" else args.model
     drafts = args.draft.split(",")
     ks = [k if k == "auto" else int(k) for k in args.num_spec_tokens.split(",")]
@@ -136,13 +135,11 @@ def sweep(args):
     with Progress(transient=True) as progress:
         task = progress.add_task("benchmarking", total=len(configs) * len(batch_sizes))
         for draft, k, nodes in configs:
-            spec = dict(draft=draft, num_spec_tokens=k, spec_disable_batch_size=args.spec_disable_batch_size,
-                        spec_tree_nodes=nodes)
-            llm = base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device,
-                                                   max_num_seqs=max(batch_sizes), **spec)
+            options = dict(draft=draft, num_spec_tokens=k, max_num_seqs=max(batch_sizes),
+                           spec_tree_nodes=nodes, spec_disable_batch_size=args.spec_disable_batch_size)
+            llm = base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device, **options)
             for b in batch_sizes:
-                n = args.num_prompts or b
-                prompts = [workload[i % len(workload)] for i in range(n)]
+                prompts = [workload[i % len(workload)] for i in range(args.num_prompts or b)]
                 llm.scheduler.max_num_seqs = b
                 # warm-up, on a prompt of its own: the suffix proposer remembers finished requests
                 llm.generate(["Hello"], SamplingParams(max_tokens=8), use_progress=False)
@@ -183,10 +180,6 @@ def sweep(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "machine": machine, "results": results}, f, indent=1)
-
-
-def main(argv=None):
-    sweep(parse_args(argv))
 
 
 if __name__ == "__main__":

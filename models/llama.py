@@ -89,11 +89,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: dict, **attn_flags):
         super().__init__()
-        eps = config["rms_norm_eps"]
         self.self_attn = Attention(config, **attn_flags)
         self.mlp = MLP(config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False))
-        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
-        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.input_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
     def forward(self, x, residual, cos_sin):
         # The residual stream is carried separately so each norm can fuse "add residual, then norm".
@@ -127,9 +126,8 @@ class LlamaForCausalLM(nn.Module):
         self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"} \
             if config.get("tie_word_embeddings", False) else {}
         self.max_position_embeddings = config.get("max_position_embeddings", 4096)
-        uses_window = arch == "MistralForCausalLM" or config.get("use_sliding_window")
-        window = config.get("sliding_window") if uses_window else None
-        if window:
+        window = config.get("sliding_window")
+        if window and (arch == "MistralForCausalLM" or config.get("use_sliding_window")):
             # Sliding-window attention is not implemented; within the window it equals full attention,
             # so the context is capped there rather than silently computing something else.
             self.max_position_embeddings = min(self.max_position_embeddings, window)
