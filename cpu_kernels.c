@@ -282,9 +282,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             max_score[i] = new_max;
         }
         for (int i = 0; i < active; i++) {
-            int seen = num_keys + i / group - l0;
             for (int c = 0; c < chunks; c++) acc[i][c] *= alpha[i];
-            for (int j = 0; j < LANES && j < seen; j++)
+            for (int j = 0; j < LANES && j < num_keys + i / group - l0; j++)  // the keys query i sees
                 for (int c = 0; c < chunks; c++) acc[i][c] += p[i][j] * values[j][c];
         }
     }
@@ -303,14 +302,10 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache, co
 {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
-    // Blocks of queries as large as leave every thread two items (a decode or verify step at batch 1
-    // has few queries: with a block of 8 one thread would do all the work).
+    // Blocks of queries small enough to give every thread about two items (a decode or verify step at
+    // batch 1 has few queries: with a block of 8 one thread would do all the work).
     int block = tree_pos ? 1 : QUERY_BLOCK;
-    for (int64_t items = 0; block > 1; block /= 2, items = 0) {
-        for (int b = 0; b < num_seqs; b++)
-            items += (query_start_loc[b + 1] - query_start_loc[b] + block - 1) / block * num_kv_heads;
-        if (items >= 2 * threads) break;
-    }
+    while (block > 1 && num_tokens * num_kv_heads / block < 2 * threads) block /= 2;
     // Items start at every token; all but each block's first query return at once.
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (num_tokens * num_kv_heads > 1)
     for (int64_t item = 0; item < (int64_t)num_tokens * num_kv_heads; item++) {

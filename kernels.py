@@ -151,10 +151,6 @@ def rotary(x, cos_sin):
     return pick(x, torch_rotary, bf16_c, torch_rotary)(x, cos_sin)
 
 
-def silu_mul(x):
-    return torch_silu_mul(x)
-
-
 def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
     ctx = context
@@ -322,8 +318,8 @@ def c_rotary(x, cos_sin):
     return out
 
 
-def torch_silu_mul(x):
-    """x: [T, 2I] = [gate | up] -> silu(gate) * up."""
+def silu_mul(x):
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up. Elementwise: the torch op serves every device."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

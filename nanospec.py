@@ -125,14 +125,6 @@ class ScheduledSeq:
     draft_probs: torch.Tensor | None = None  # [len(drafts), V]; None = one-hot drafts (n-gram)
 
 
-def tree_depths(parents: list[int]) -> list[int]:
-    """The depth of each draft node (1: a child of the last token); parents come before children."""
-    depths = []
-    for p in parents:
-        depths.append(1 if p < 0 else depths[p] + 1)
-    return depths
-
-
 def tree_layout(batch, parents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[int]]]:
     """AttentionContext.tree_pos and tree_keys of a forward, and each draft node's root-to-node path in
     cache positions, keyed by the node's index in the forward. Tokens fill consecutive cache positions
@@ -297,10 +289,9 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
 # before), a tree of <= num_spec nodes and max_depth levels, parents before children; model drafts also
 # fill item.draft_probs.
 class NgramProposer:
-    """Prompt lookup: find the first occurrence of the longest suffix n-gram (n in [min_n, max_n])
-    in prompt + output and propose the tokens that followed it. The first occurrence is usually in
-    the prompt, the text being quoted or edited; later ones are often the model's own repetitions
-    (on the grounded bench prompts, first-match drafts gave 3.26 tokens per step against 3.02)."""
+    """Prompt lookup: find the first occurrence of the longest suffix n-gram (n in [min_n, max_n]) in
+    prompt + output and propose the tokens that followed it: usually in the prompt, the text being quoted
+    or edited (later ones are often the model's own repetitions)."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -377,9 +368,7 @@ class SuffixProposer:
     most probable path is proposed while the path probability stays >= min_prob, at most max_spec_factor x
     the match length. Where the longest match is in the request itself, its latest occurrence (the text
     being repeated now) weighs as much as all the others together: a chain follows it, a tree tries it
-    first. A plain numpy scan per step, no index: O(remembered tokens). (Fresh grounded requests, greedy,
-    K = 4 / 8: 2.81 / 3.41 tokens per step; with the paper's factor 1 and plain frequencies 2.60 / 2.92;
-    n-gram 2.66 / 3.26.)"""
+    first (BENCHMARKS.md, session 9). A plain numpy scan per step, no index: O(remembered tokens)."""
 
     def __init__(self, max_requests=256, max_match=24, max_spec_factor=8.0, min_prob=0.1):
         self.finished = deque(maxlen=max_requests)  # the oldest request drops out first
@@ -481,7 +470,7 @@ def sample_drafts(items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tens
 # Dynamic speculation: --num-spec-tokens auto
 def interpolate(table: dict[int, float], x: int) -> float:
     """Piecewise-linear lookup in a {size: seconds} table from size 1 (x >= 1); proportional beyond the
-    largest size. Plain Python: the chooser calls it for every draft it weighs (np.interp: 2x slower)."""
+    largest size. Plain Python: the chooser calls it for every draft it weighs."""
     sizes = sorted(table)
     i = bisect.bisect_right(sizes, x)
     if i == len(sizes):
@@ -538,8 +527,7 @@ class GoodputChooser:
     def observe_verify(self, num_tokens: int, keys: int, seconds: float):
         """A real step rescales the whole profile: what a token more costs relative to a step comes from
         the profile; the level from real steps, with the per-sequence work (accept, commit) the profile
-        lacks. (Storing real steps by size made a batch's one measured size look dear and the sizes above
-        it, still the profile's, cheap: at batch 64 it drafted and lost 6%.)"""
+        lacks. (Real steps stored by size made the sizes above a batch's look cheap: BENCHMARKS.md.)"""
         ratio = seconds / self.verify_cost(num_tokens, keys)
         self.verify_scale += self.ema * (ratio - self.verify_scale)
 
@@ -772,9 +760,8 @@ class LLMEngine:
         table = {n: self.time_forward([0] * n, 0) for n in sizes}
         n = max(size for size in sizes if size <= 8)
         context = min(512, capacity - n)
-        if context < 64:
-            return table, 0.0
-        return table, max(self.time_forward([0] * (context + n), context) - table[n], 0.0) / (n * context)
+        with_context = self.time_forward([0] * (context + n), context) if context >= 64 else table[n]
+        return table, max(with_context - table[n], 0.0) / (n * max(context, 1))
 
     def time_forward(self, token_ids: list[int], cached: int) -> float:
         """Best of two: seconds for the forward and logits (every row, as in a verify) of token_ids[cached:]
@@ -877,7 +864,10 @@ class LLMEngine:
                logits: torch.Tensor):
         """path: the accepted drafts (indices, root to leaf); logits: the rows that produced them and the
         next token, one per token."""
-        seq, depth = it.seq, max(tree_depths(it.parents), default=0)
+        seq, depths = it.seq, [0]  # each draft's depth (1: a child of the last token), parents first
+        for p in it.parents:
+            depths.append(depths[p + 1] + 1)
+        depth = max(depths)
         if path != list(range(len(path))):  # off the first branch: move the path's K/V to its positions
             self.move_kv(seq, [len(seq) + node for node in path], range(len(seq), len(seq) + len(path)))
             self.stats["kv_moves"] += 1
@@ -1043,7 +1033,6 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     if llm.proposer is not None:
         m = spec_metrics(outputs)  # None per step when no step speculated: 1 token a step, 0 nodes
         rows |= {"drafted tokens": m["drafted"], "accepted tokens": m["accepted"],
-                 "acceptance rate": f"{m['accepted'] / max(m['drafted'], 1):.2%}",
                  "mean accepted length": f"{m['mean_accepted_length'] or 1:.2f}",
                  "nodes verified per step": f"{m['nodes_per_step'] or 0:.2f}",
                  "acceptance per depth": " ".join(f"{a:.2f}" for a in m["acceptance_per_position"]),
