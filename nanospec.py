@@ -388,9 +388,8 @@ class SuffixProposer:
         rows = [continuations(hay, ends, depth) for hay, length, ends in found if length == m > 0]
         if not rows:
             return [], []
-        if found[1][1] == m:  # the request's latest occurrence outweighs all the others together
-            latest = continuations(tokens, found[1][2][-1:], depth)
-            rows.insert(0, np.repeat(latest, sum(map(len, rows)), axis=0))
+        if found[1][1] == m:  # rows[-1] are the request's own, the latest last: it outweighs all others
+            rows.insert(0, np.repeat(rows[-1][-1:], sum(map(len, rows)), axis=0))
         return draft_tree(np.concatenate(rows), budget, branches, self.min_prob)
 
 
@@ -567,7 +566,7 @@ class Scheduler:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
 
-    def choose_k(self) -> dict[int, int]:
+    def choose_k(self) -> dict[Sequence, int]:
         """K per decoding sequence this step (sequence -> K; absent: 0). A request's own num_spec_tokens
         caps it; it never turns speculation on while the engine has it off."""
         limit = self.spec_disable_batch_size
@@ -744,8 +743,8 @@ class LLMEngine:
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """Final-norm hidden states [T, H] of one token sequence, outside any request (borrows blocks)."""
         probe = Sequence(token_ids, SamplingParams(), self.device)
-        if not self.blocks.ensure_slots(probe, len(token_ids)):
-            raise ValueError(f"{len(token_ids)} tokens do not fit in the free KV blocks")
+        require(self.blocks.ensure_slots(probe, len(token_ids)),
+                f"{len(token_ids)} tokens do not fit in the free KV blocks")
         try:
             return self.forward(self.model, [(probe, token_ids, 0)])[0]
         finally:
