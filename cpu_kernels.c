@@ -81,6 +81,9 @@ static inline float hmax(vf v) {  // a max is exact in any order
 #define PV (PANEL / LANES)  // vectors per panel row
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
 #define PANELS (LANES == 16 ? 4 : 1)
+// A tile prefetches the weights AHEAD pairs of k ahead: with the hardware prefetchers alone the stream
+// stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21% on AVX2).
+#define AHEAD 32
 
 // Weights of k = 2 * (pair_row % K2) + half for LANES columns (v: which slice of the panel's 16).
 static inline vf load_half(const void *w, int64_t pair_row, int v, int half, int w_bf16) {
@@ -110,8 +113,10 @@ linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, i
     if (x_bf16 && w_bf16) {
         for (int64_t kp = 0; kp < K2; kp++) {
             __m512bh wk[PANELS];
-            for (int p = 0; p < panels; p++)
+            for (int p = 0; p < panels; p++) {
                 wk[p] = (__m512bh)_mm512_loadu_si512((const uint32_t *)w + ((p0 + p) * K2 + kp) * PANEL);
+                __builtin_prefetch((const uint32_t *)w + ((p0 + p) * K2 + kp + AHEAD) * PANEL);
+            }
             for (int r = 0; r < rows; r++) {
                 __m512bh xk = (__m512bh)_mm512_set1_epi32(x_pair(x, (m0 + r) * K + 2 * kp, 2 * kp + 1 < K));
                 for (int p = 0; p < panels; p++)
@@ -124,6 +129,9 @@ linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, i
         vf wk[PANELS * PV];
         for (int v = 0; v < panels * PV; v++)
             wk[v] = load_half(w, (p0 + v / PV) * K2 + k / 2, v % PV, k & 1, w_bf16);
+        for (int p = 0; p < panels; p++)  // a line a k (a pair's bf16 line is 64 bytes, fp32's two lines)
+            __builtin_prefetch((const char *)w + ((p0 + p) * K2 + k / 2 + AHEAD) * PANEL * (w_bf16 ? 4 : 8)
+                               + (k & 1) * 64);
         for (int r = 0; r < rows; r++) {
             vf xk = (vf){} + load_f(x, (m0 + r) * K + k, x_bf16);
             for (int v = 0; v < panels * PV; v++) acc[r][v] += xk * wk[v];  // contracted to an FMA
@@ -248,6 +256,14 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         // A chunk within one block (no tree path in it) has consecutive slots: one table lookup.
         int one_block = block_size % LANES == 0 && !(remap && l0 + LANES > remap_from);
         int64_t first_slot = table[l0 / block_size] * block_size + l0 % block_size;
+        for (int64_t l = l0 + LANES; l < l0 + 2 * LANES && l < all_keys; l++) {  // the next chunk's keys
+            int64_t next = ((table[l / block_size] * block_size + l % block_size) * slot_stride
+                            + kv_head * head_dim) * elem;  // (tree paths aside) load while this one computes
+            for (int c = 0; c < head_dim * elem; c += 64) {
+                __builtin_prefetch((const char *)k_cache + next + c);
+                __builtin_prefetch((const char *)v_cache + next + c);
+            }
+        }
         for (int j = 0; j < LANES; j++) {  // key j in slot bit_reversed(j), the order sum_lanes wants
             int64_t l = l0 + j < all_keys ? l0 + j : l0;  // past the last key: a valid one, masked below
             if (remap && l >= remap_from) l = remap[l - remap_from];  // a tree node's path
