@@ -1,7 +1,8 @@
 # Throughput, latency and acceptance sweeps: every (method, K, batch size) runs the same prompts in the
-# same process, after a warm-up, with repeats and medians, beside plain decoding (and optionally
-# transformers). Speed claims live here, never in unit tests. It must never mix numbers from
-# different runs, dtypes or machines into one ratio.
+# same process, after a warm-up, beside plain decoding (and optionally transformers). The methods take
+# turns, repeat after repeat, and each ratio to plain is the median of the ratios within a repeat: a slow
+# spell of a shared machine hits every method alike. Speed claims live here, never in unit tests. It must
+# never mix numbers from different runs, dtypes or machines into one ratio.
 import argparse
 import json
 import os
@@ -30,18 +31,14 @@ def read_workload(spec: str, chat_tokenizer=None) -> list[str]:
     return prompts
 
 
-def run_nanospec(llm: LLM, prompts, params, repeat):
-    """Median-throughput run of all prompts submitted at once (batch = len(prompts))."""
-    runs = []
-    for _ in range(repeat):
-        llm.k_histogram.clear()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_progress=False)
-        elapsed = time.perf_counter() - start
-        runs.append((sum(len(o.token_ids) for o in outs) / elapsed, elapsed, outs, dict(llm.k_histogram)))
-    tok_s, elapsed, outs, k_hist = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+def run_nanospec(llm: LLM, prompts, params):
+    """One run of all prompts submitted at once (batch = len(prompts))."""
+    llm.k_histogram.clear()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_progress=False)
+    elapsed = time.perf_counter() - start
     return {
-        "tok_s": tok_s, "req_s": len(prompts) / elapsed, "tok_s_runs": [r[0] for r in runs],
+        "tok_s": sum(len(o.token_ids) for o in outs) / elapsed, "req_s": len(prompts) / elapsed,
         "output_tokens": sum(len(o.token_ids) for o in outs),
         **{f"{name}_p{q}": float(np.percentile([getattr(o, name) for o in outs], q))
            for name in ("ttft", "tpot") for q in (50, 90)},
@@ -49,11 +46,17 @@ def run_nanospec(llm: LLM, prompts, params, repeat):
         "decode_ms_per_token": 1000 * sum(o.latency - o.ttft for o in outs)
                                / max(sum(len(o.token_ids) - 1 for o in outs), 1),
         **spec_metrics(outs),  # drafted, accepted, mean_accepted_length, nodes_per_step, per position
-        # per run, in order: from the second on, the same requests again (the suffix proposer remembers)
-        "mean_accepted_length_runs": [spec_metrics(r[2])["mean_accepted_length"] for r in runs],
-        "k_per_step": k_hist,
+        "k_per_step": dict(llm.k_histogram),
         "token_ids": [o.token_ids for o in outs],  # compared with plain decoding's, then dropped
     }
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput, with every run's throughput and acceptance, in order (from the second
+    on, the same requests again: the suffix proposer remembers)."""
+    median = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+    return {**median, "tok_s_runs": [r["tok_s"] for r in runs],
+            "mean_accepted_length_runs": [r["mean_accepted_length"] for r in runs]}
 
 
 def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_lookup=None):
@@ -132,30 +135,35 @@ def main(argv=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         hf = (AutoModelForCausalLM.from_pretrained(base.model_path, dtype=base.dtype).to(args.device).eval(),
               AutoTokenizer.from_pretrained(base.model_path))
+    engines = [base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device, draft=draft,
+               num_spec_tokens=k, max_num_seqs=max(batch_sizes), spec_tree_nodes=nodes,
+               spec_disable_batch_size=args.spec_disable_batch_size) for draft, k, nodes in configs]
     with Progress(transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(configs) * len(batch_sizes))
-        for draft, k, nodes in configs:
-            options = dict(draft=draft, num_spec_tokens=k, max_num_seqs=max(batch_sizes),
-                           spec_tree_nodes=nodes, spec_disable_batch_size=args.spec_disable_batch_size)
-            llm = base if draft == "none" else LLM(model, dtype=base.dtype, device=args.device, **options)
-            for b in batch_sizes:
-                prompts = [workload[i % len(workload)] for i in range(args.num_prompts or b)]
+        task = progress.add_task("benchmarking", total=len(configs) * len(batch_sizes) * args.repeat)
+        for b in batch_sizes:
+            prompts = [workload[i % len(workload)] for i in range(args.num_prompts or b)]
+            for llm in engines:
                 llm.scheduler.max_num_seqs = b
                 # warm-up, on a prompt of its own: the suffix proposer remembers finished requests
                 llm.generate(["Hello"], SamplingParams(max_tokens=8), use_progress=False)
-                row = {"method": draft, "k": k, "tree": nodes, "batch": b,
-                       **run_nanospec(llm, prompts, params, args.repeat)}
+            runs = [[] for _ in engines]
+            for _ in range(args.repeat):  # the methods take turns
+                for llm, config_runs in zip(engines, runs):
+                    config_runs.append(run_nanospec(llm, prompts, params))
+                    progress.advance(task)
+            for (draft, k, nodes), config_runs in zip(configs, runs):
+                row = {"method": draft, "k": k, "tree": nodes, "batch": b, **median_run(config_runs)}
                 if hf and (draft == "none" or draft == "ngram" and not nodes and b == 1 and k != "auto"):
                     row["hf_tok_s"] = run_hf(*hf, prompts, b, args.max_tokens, args.repeat,
                                              prompt_lookup=k if draft == "ngram" else None)["tok_s"]
                 results.append(row)
-                progress.advance(task)
     plain = {r["batch"]: r for r in results if r["method"] == "none"}
     plain_ids = {b: r["token_ids"] for b, r in plain.items()}
     for r in results:
         token_ids, ref = r.pop("token_ids"), plain.get(r["batch"])  # ref: plain decoding at this batch size
         r["identical_to_plain"] = token_ids == plain_ids[r["batch"]] if ref else None
-        r["speedup_vs_plain"] = r["tok_s"] / ref["tok_s"] if ref else None
+        # the median of the repeats' ratios: each repeat ran every method within moments of the others
+        r["speedup_vs_plain"] = np.median(np.divide(r["tok_s_runs"], ref["tok_s_runs"])) if ref else None
         r["decode_speedup_vs_plain"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"] if ref else None
         r["speedup_vs_hf"] = r["tok_s"] / r["hf_tok_s"] if r.get("hf_tok_s") else None
     machine = machine_info(base.dtype, args.device)
