@@ -1,9 +1,7 @@
-# The hot ops of every forward: linear layers, paged KV store, unified varlen paged attention, RMSNorm,
-# rotary and SiLU-and-mul. Each op has a plain-torch reference (`torch_*`), a Triton kernel (`triton_*`)
-# for GPUs unless it is elementwise or a copy, and on CPUs C kernels (`c_*`, cpu_kernels.c) where they
-# pay. One public function per op picks, by one rule (`pick`). Every implementation computes a row the
-# same way whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor
-# unless forced (tests, under TRITON_INTERPRET=1).
+# The hot ops of every forward: linear, paged KV store, varlen paged attention, RMSNorm, rotary, SiLU-and-mul.
+# Each has a torch reference (`torch_*`), a Triton kernel (`triton_*`) for GPUs unless elementwise or a copy,
+# and C kernels (`c_*`, cpu_kernels.c) for CPUs where they pay; `pick` chooses by one rule, never Triton for a
+# CPU tensor unless forced (tests). No row's result depends on the rest of the call (DESIGN.md, "Exactness").
 import ctypes
 import functools
 import hashlib

@@ -1,8 +1,7 @@
-# nanospec: the engine. SamplingParams and Sequence state, the proposers (n-gram, suffix, draft model, MLP
-# speculator), the scheduler (continuous batching, lookahead slots, preemption, dynamic speculation),
-# the lossless accept/commit step, the LLM API and the CLI. Every step is schedule -> propose ->
-# verify -> accept -> commit; plain decoding is the same step with K = 0. It must never emit a token
-# the target model would not have produced with the same sampling (greedy: exactly the same tokens).
+# nanospec: the engine. Requests, proposers (n-gram, suffix, draft model, MLP speculator), the scheduler
+# (continuous batching, lookahead slots, preemption, dynamic speculation), lossless acceptance, the LLM API
+# and the CLI. Every step (plain decoding: K = 0) is schedule -> propose -> verify -> accept -> commit. It
+# must never emit a token the target would not have produced with the same sampling (greedy: the same tokens).
 import argparse
 import bisect
 import heapq
