@@ -151,13 +151,12 @@ def rotary(x, cos_sin):
 
 def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
-    ctx = context
-    assert ctx is not None, "attention called outside an engine step (no AttentionContext set)"
-    store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    assert context is not None, "attention called outside an engine step (no AttentionContext set)"
+    store_kv(k, v, k_cache, v_cache, context.slot_mapping)
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
     fn = pick(q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention)
-    return fn(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-              ctx.max_q_len, ctx.tree_pos, ctx.tree_keys)
+    return fn(q, k_cache, v_cache, context.block_tables, context.seq_lens, context.query_start_loc, scale,
+              context.max_q_len, context.tree_pos, context.tree_keys)
 
 
 def linear(x, layer: "Linear"):
@@ -323,11 +322,10 @@ def silu_mul(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernels (same signatures as the torch references above).
-# Conventions: one wrapper per op (shapes, strides, grid, tile sizes), one @triton.jit kernel behind
-# it. Every load and store is masked (the CPU interpreter does no bounds checking), tl.arange extents
-# are powers of two, tl.dot tiles are >= 16 in every dim, math is fp32 (rounded where the reference
-# rounds), stores are in the output dtype.
+# Triton kernels (same signatures as the torch references above). Conventions: one wrapper per op (shapes,
+# strides, grid, tile sizes), one @triton.jit kernel behind it. Every load and store is masked (the CPU
+# interpreter does no bounds checking), tl.arange extents are powers of two, tl.dot tiles are >= 16 in every
+# dim, math is fp32 (rounded where the reference rounds), stores are in the output dtype.
 def _pow2(n, at_least=1):
     return max(at_least, triton.next_power_of_2(n))
 
@@ -415,14 +413,13 @@ def _paged_attention_kernel(
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                            max_q_len, tree_pos=None, tree_keys=None):
-    """Unified varlen paged attention: one kernel for prefill chunks, decode and verification. Grid
-    (query blocks, sequences, kv heads), sized from the host int max_q_len (no sync); programs past their
-    sequence's q_len exit at once. A tile's BLOCK_M rows are (query, head-in-group) pairs, so the GQA heads
-    sharing a KV head read each K/V tile once. BLOCK_M = 64 rows (more for GQA groups over 64) whatever the
-    step, and keys in BLOCK_N = 64 tiles from position 0: a query's arithmetic never depends on its batch
-    partners (row invariance). Keys are gathered through the block table per position, so any block size
-    (even 1) works. fp32 dots use "ieee". With a tree, one query per tile (its rows alone in the same tile
-    shape: the same bits), so a node's path can remap the tile's key positions."""
+    """Unified varlen paged attention: one kernel for prefill chunks, decode and verification. Grid (query
+    blocks, sequences, kv heads), sized from the host int max_q_len (no sync). A tile's BLOCK_M rows are
+    (query, head-in-group) pairs, so the GQA heads sharing a KV head read each K/V tile once. BLOCK_M = 64
+    rows whatever the step, and keys in BLOCK_N = 64 tiles from position 0: a query's arithmetic never depends
+    on its batch partners (row invariance). Keys are gathered through the block table per position, so any
+    block size (even 1) works. With a tree, one query per tile (its rows alone in the same tile shape: the
+    same bits), so a node's path can remap the tile's key positions."""
     _, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert q.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
@@ -492,12 +489,11 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x
 def triton_rms_norm(x, weight, eps, residual=None):
     """One program per row, the whole row in one tile (hidden sizes are a few thousand at most):
     one read, one fp32 reduction, one write. Warps grow with the row: 1 per 256 elements, 1..16."""
-    shape, hidden = x.shape, x.shape[-1]
-    x2 = _as_rows(x)
+    x2, hidden = _as_rows(x), x.shape[-1]
     r2 = _as_rows(residual) if residual is not None else x2
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = torch.empty_like(x2) if residual is not None else out  # (not written without residual)
     block = _pow2(hidden)
     _launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0),
             hidden, eps), min(max(block // 256, 1), 16), HAS_RESIDUAL=residual is not None, BLOCK=block)
-    return out.view(shape) if residual is None else (out.view(shape), summed.view(shape))
+    return out.view(x.shape) if residual is None else (out.view(x.shape), summed.view(x.shape))
