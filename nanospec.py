@@ -179,8 +179,7 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def exp_noise(generator: torch.Generator, vocab: int, device) -> torch.Tensor:
-    """[vocab] Exp(1) draws, kept away from 0: some devices return exact zeros, and 0 / 0 would win the
-    argmax."""
+    """[vocab] Exp(1) draws, never 0: some devices draw exact zeros, and 0 / 0 would win the argmax."""
     noise = torch.empty(vocab, device=device).exponential_(generator=generator)
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
@@ -279,8 +278,7 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
     """vLLM's logprobs: log_softmax of the raw logits (before temperature, top-k, top-p) for the sampled
     token and the top_n most likely ones."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    ids = [token] + logprobs.topk(top_n).indices.tolist() if top_n else [token]
-    return {i: logprobs[i].item() for i in ids}
+    return {i: logprobs[i].item() for i in [token] + logprobs.topk(top_n).indices.tolist()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,13 +390,12 @@ class SuffixProposer:
         return draft_tree(np.concatenate(rows), budget, branches, self.min_prob)
 
 
+@dataclass
 class DraftModelProposer:
     """A small model with the target's vocabulary, sharing the target's block tables and slots. It reaches
     into the engine for one thing: its varlen forward."""
-
-    def __init__(self, model, max_num_batched_tokens: int):
-        self.model = model
-        self.budget = max_num_batched_tokens  # > 2 x the sequences drafting: each chunk makes progress
+    model: torch.nn.Module
+    budget: int  # max_num_batched_tokens: > 2 x the sequences drafting, so each chunk makes progress
 
     def propose(self, engine, items: list[ScheduledSeq]):
         seqs = [item.seq for item in items]
@@ -434,11 +431,10 @@ class DraftModelProposer:
         return hidden, query_start
 
 
+@dataclass
 class MLPProposer:
     """Heads i = 0..K-1 read the target's last hidden state and the last token; no KV cache."""
-
-    def __init__(self, model):
-        self.model = model
+    model: torch.nn.Module
 
     def propose(self, engine, items: list[ScheduledSeq]):
         state = self.model.first_state(torch.stack([item.seq.last_hidden for item in items]))
@@ -597,9 +593,8 @@ class Scheduler:
                 if seq not in self.running:
                     break
             if seq in self.running:
-                samples = seq.num_cached + num_tokens == len(seq)
-                scheduled.append(ScheduledSeq(seq, num_tokens, nodes, samples, max_depth=min(k, nodes),
-                                              branches=nodes if tree else 1))
+                scheduled.append(ScheduledSeq(seq, num_tokens, nodes, seq.num_cached + num_tokens == len(seq),
+                                              max_depth=min(k, nodes), branches=nodes if tree else 1))
                 budget -= num_tokens + nodes
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -785,9 +780,8 @@ class LLMEngine:
 
     # -- one forward over a varlen batch --------------------------------------------------------
     def forward(self, model, batch: list[tuple[Sequence, list[int], int]], parents=None):
-        """batch: (seq, tokens, start position); parents[b]: the parent of each of batch b's last tokens
-        when they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H] and host query_start_loc
-        [B+1]."""
+        """batch: (seq, tokens, start position); parents[b]: the parent of each of batch b's last tokens when
+        they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H] and host query_start_loc [B+1]."""
         q_lens = [len(tokens) for _, tokens, _ in batch]
         seq_lens = [start + len(tokens) for _, tokens, start in batch]
         input_ids = torch.tensor([t for _, tokens, _ in batch for t in tokens])
@@ -880,8 +874,7 @@ class LLMEngine:
             seq.num_accepted += len(path)
             seq.drafted_per_position.update(range(depth))  # per depth
             seq.accepted_per_position.update(range(len(path)))
-        if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
+        seq.first_token_time = seq.first_token_time or time.perf_counter()
         for t, row in zip([it.drafts[node] for node in path] + [token], logits):
             seq.token_ids.append(t)
             if seq.logprobs is not None:
