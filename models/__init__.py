@@ -31,8 +31,7 @@ def read_config(path: str) -> dict:
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{config_file} not found (expected a Hugging Face model folder)")
     try:
-        with open(config_file) as f:
-            return json.load(f)
+        return json.load(open(config_file))
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file}: not valid JSON ({e})") from None
 
@@ -51,9 +50,8 @@ def resolve_dtype(dtype, config: dict, device="cpu") -> torch.dtype:
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, s) for s in shards]
+        shards = json.load(open(index))["weight_map"].values()
+        return [os.path.join(path, s) for s in sorted(set(shards))]
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
         return [single]
