@@ -522,8 +522,7 @@ class GoodputChooser:
         """A real step rescales the whole profile: what a token more costs relative to a step comes from
         the profile; the level from real steps, with the per-sequence work (accept, commit) the profile
         lacks. (Real steps stored by size made the sizes above a batch's look cheap: BENCHMARKS.md.)"""
-        ratio = seconds / self.verify_cost(num_tokens, keys)
-        self.verify_scale += self.ema * (ratio - self.verify_scale)
+        self.verify_scale += self.ema * (seconds / self.verify_cost(num_tokens, keys) - self.verify_scale)
 
     def observe_draft(self, drafting: int, seconds: float):
         old = self.draft_time.get(drafting, seconds)
