@@ -69,10 +69,9 @@ def cpu_flags() -> set[str]:
 
 
 def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
-    """--dtype auto. A GPU: the checkpoint's 16-bit dtype (bf16 for an fp32 checkpoint). A CPU: bf16
-    where the C kernels run (on every ISA they stream bf16 weights, half of fp32's memory traffic, and
-    compute in fp32 registers) or where torch has bf16 instructions; else fp32 (on an AVX2 CPU torch's
-    bf16 matmul is ~5x slower than its fp32)."""
+    """--dtype auto. A GPU: the checkpoint's 16-bit dtype, else bf16. A CPU: bf16 where the C kernels run (on
+    every ISA they stream bf16 weights, half of fp32's memory traffic, and compute in fp32 registers) or where
+    torch has bf16 instructions; else fp32 (on an AVX2 CPU torch's bf16 matmul is ~5x slower than fp32)."""
     if torch.device(device).type != "cpu":
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     native_bf16 = not os.environ.get("NANOSPEC_ISA") and {"avx512_bf16", "amx_bf16"} & cpu_flags()
@@ -210,9 +209,8 @@ def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:
 def torch_linear(x, weight, bias=None):
     """F.linear one row at a time: BLAS picks its kernel, and so its summation order, by the number of
     rows, so a row must always be computed in a call of one row."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.stack([F.linear(row, weight, bias) for row in rows]) if len(rows) else \
-        x.new_empty(0, weight.shape[0])
+    out_rows = [F.linear(row, weight, bias) for row in x.reshape(-1, x.shape[-1])]
+    out = torch.stack(out_rows) if out_rows else x.new_empty(0, weight.shape[0])
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
