@@ -289,11 +289,10 @@ def torch_rms_norm(x, weight, eps, residual=None):
 def c_rms_norm(x, weight, eps, residual=None):
     """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (bf16, CPU)."""
     x, out = x.contiguous(), torch.empty_like(x)
-    residual_out = None if residual is None else torch.empty_like(x)
-    residual = None if residual is None else residual.contiguous()
-    pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, residual_out)]
+    residual, summed = (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
+    pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, summed)]
     cpu_kernels().rms_norm(*pointers, x.numel() // x.shape[-1], x.shape[-1], eps)
-    return out if residual is None else (out, residual_out)
+    return out if residual is None else (out, summed)
 
 
 def torch_rotary(x, cos_sin):
