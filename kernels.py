@@ -1,9 +1,7 @@
-# The hot ops of every forward: linear layers, paged KV store, unified varlen paged attention, RMSNorm,
-# rotary and SiLU-and-mul. Each op has a plain-torch reference (`torch_*`), a Triton kernel (`triton_*`)
-# for GPUs unless it is elementwise or a copy, and on CPUs C kernels (`c_*`, cpu_kernels.c) where they
-# pay. One public function per op picks, by one rule (`pick`). Every implementation computes a row the
-# same way whatever else is in the call (DESIGN.md, "Exactness"). Never pick Triton for a CPU tensor
-# unless forced (tests, under TRITON_INTERPRET=1).
+# The hot ops of every forward: linear, paged KV store, varlen paged attention, RMSNorm, rotary, SiLU-and-mul.
+# Each has a torch reference (`torch_*`), a Triton kernel (`triton_*`) for GPUs unless elementwise or a copy,
+# and C kernels (`c_*`, cpu_kernels.c) for CPUs where they pay; `pick` chooses by one rule, never Triton for a
+# CPU tensor unless forced (tests). No row's result depends on the rest of the call (DESIGN.md, "Exactness").
 import ctypes
 import functools
 import hashlib
@@ -71,10 +69,9 @@ def cpu_flags() -> set[str]:
 
 
 def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
-    """--dtype auto. A GPU: the checkpoint's 16-bit dtype (bf16 for an fp32 checkpoint). A CPU: bf16
-    where the C kernels run (on every ISA they stream bf16 weights, half of fp32's memory traffic, and
-    compute in fp32 registers) or where torch has bf16 instructions; else fp32 (on an AVX2 CPU torch's
-    bf16 matmul is ~5x slower than its fp32)."""
+    """--dtype auto. A GPU: the checkpoint's 16-bit dtype, else bf16. A CPU: bf16 where the C kernels run (on
+    every ISA they stream bf16 weights, half of fp32's memory traffic, and compute in fp32 registers) or where
+    torch has bf16 instructions; else fp32 (on an AVX2 CPU torch's bf16 matmul is ~5x slower than fp32)."""
     if torch.device(device).type != "cpu":
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     native_bf16 = not os.environ.get("NANOSPEC_ISA") and {"avx512_bf16", "amx_bf16"} & cpu_flags()
@@ -153,13 +150,12 @@ def rotary(x, cos_sin):
 
 def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
-    ctx = context
-    assert ctx is not None, "attention called outside an engine step (no AttentionContext set)"
-    store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+    assert context is not None, "attention called outside an engine step (no AttentionContext set)"
+    store_kv(k, v, k_cache, v_cache, context.slot_mapping)
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
     fn = pick(q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention)
-    return fn(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, scale,
-              ctx.max_q_len, ctx.tree_pos, ctx.tree_keys)
+    return fn(q, k_cache, v_cache, context.block_tables, context.seq_lens, context.query_start_loc, scale,
+              context.max_q_len, context.tree_pos, context.tree_keys)
 
 
 def linear(x, layer: "Linear"):
@@ -213,9 +209,8 @@ def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:
 def torch_linear(x, weight, bias=None):
     """F.linear one row at a time: BLAS picks its kernel, and so its summation order, by the number of
     rows, so a row must always be computed in a call of one row."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.stack([F.linear(row, weight, bias) for row in rows]) if len(rows) else \
-        x.new_empty(0, weight.shape[0])
+    out_rows = [F.linear(row, weight, bias) for row in x.reshape(-1, x.shape[-1])]
+    out = torch.stack(out_rows) if out_rows else x.new_empty(0, weight.shape[0])
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -294,11 +289,10 @@ def torch_rms_norm(x, weight, eps, residual=None):
 def c_rms_norm(x, weight, eps, residual=None):
     """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (bf16, CPU)."""
     x, out = x.contiguous(), torch.empty_like(x)
-    residual_out = None if residual is None else torch.empty_like(x)
-    residual = None if residual is None else residual.contiguous()
-    pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, residual_out)]
+    residual, summed = (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
+    pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, summed)]
     cpu_kernels().rms_norm(*pointers, x.numel() // x.shape[-1], x.shape[-1], eps)
-    return out if residual is None else (out, residual_out)
+    return out if residual is None else (out, summed)
 
 
 def torch_rotary(x, cos_sin):
@@ -325,11 +319,10 @@ def silu_mul(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernels (same signatures as the torch references above).
-# Conventions: one wrapper per op (shapes, strides, grid, tile sizes), one @triton.jit kernel behind
-# it. Every load and store is masked (the CPU interpreter does no bounds checking), tl.arange extents
-# are powers of two, tl.dot tiles are >= 16 in every dim, math is fp32 (rounded where the reference
-# rounds), stores are in the output dtype.
+# Triton kernels (same signatures as the torch references above). Conventions: one wrapper per op (shapes,
+# strides, grid, tile sizes), one @triton.jit kernel behind it. Every load and store is masked (the CPU
+# interpreter does no bounds checking), tl.arange extents are powers of two, tl.dot tiles are >= 16 in every
+# dim, math is fp32 (rounded where the reference rounds), stores are in the output dtype.
 def _pow2(n, at_least=1):
     return max(at_least, triton.next_power_of_2(n))
 
@@ -417,14 +410,13 @@ def _paged_attention_kernel(
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                            max_q_len, tree_pos=None, tree_keys=None):
-    """Unified varlen paged attention: one kernel for prefill chunks, decode and verification. Grid
-    (query blocks, sequences, kv heads), sized from the host int max_q_len (no sync); programs past their
-    sequence's q_len exit at once. A tile's BLOCK_M rows are (query, head-in-group) pairs, so the GQA heads
-    sharing a KV head read each K/V tile once. BLOCK_M = 64 rows (more for GQA groups over 64) whatever the
-    step, and keys in BLOCK_N = 64 tiles from position 0: a query's arithmetic never depends on its batch
-    partners (row invariance). Keys are gathered through the block table per position, so any block size
-    (even 1) works. fp32 dots use "ieee". With a tree, one query per tile (its rows alone in the same tile
-    shape: the same bits), so a node's path can remap the tile's key positions."""
+    """Unified varlen paged attention: one kernel for prefill chunks, decode and verification. Grid (query
+    blocks, sequences, kv heads), sized from the host int max_q_len (no sync). A tile's BLOCK_M rows are
+    (query, head-in-group) pairs, so the GQA heads sharing a KV head read each K/V tile once. BLOCK_M = 64
+    rows whatever the step, and keys in BLOCK_N = 64 tiles from position 0: a query's arithmetic never depends
+    on its batch partners (row invariance). Keys are gathered through the block table per position, so any
+    block size (even 1) works. With a tree, one query per tile (its rows alone in the same tile shape: the
+    same bits), so a node's path can remap the tile's key positions."""
     _, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert q.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
@@ -494,12 +486,11 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x
 def triton_rms_norm(x, weight, eps, residual=None):
     """One program per row, the whole row in one tile (hidden sizes are a few thousand at most):
     one read, one fp32 reduction, one write. Warps grow with the row: 1 per 256 elements, 1..16."""
-    shape, hidden = x.shape, x.shape[-1]
-    x2 = _as_rows(x)
+    x2, hidden = _as_rows(x), x.shape[-1]
     r2 = _as_rows(residual) if residual is not None else x2
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = torch.empty_like(x2) if residual is not None else out  # (not written without residual)
     block = _pow2(hidden)
     _launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0),
             hidden, eps), min(max(block // 256, 1), 16), HAS_RESIDUAL=residual is not None, BLOCK=block)
-    return out.view(shape) if residual is None else (out.view(shape), summed.view(shape))
+    return out.view(x.shape) if residual is None else (out.view(x.shape), summed.view(x.shape))

@@ -1,8 +1,7 @@
-# nanospec: the engine. SamplingParams and Sequence state, the proposers (n-gram, suffix, draft model, MLP
-# speculator), the scheduler (continuous batching, lookahead slots, preemption, dynamic speculation),
-# the lossless accept/commit step, the LLM API and the CLI. Every step is schedule -> propose ->
-# verify -> accept -> commit; plain decoding is the same step with K = 0. It must never emit a token
-# the target model would not have produced with the same sampling (greedy: exactly the same tokens).
+# nanospec: the engine. Requests, proposers (n-gram, suffix, draft model, MLP speculator), the scheduler
+# (continuous batching, lookahead slots, preemption, dynamic speculation), lossless acceptance, the LLM API
+# and the CLI. Every step (plain decoding: K = 0) is schedule -> propose -> verify -> accept -> commit. It
+# must never emit a token the target would not have produced with the same sampling (greedy: the same tokens).
 import argparse
 import bisect
 import heapq
@@ -180,8 +179,7 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def exp_noise(generator: torch.Generator, vocab: int, device) -> torch.Tensor:
-    """[vocab] Exp(1) draws, kept away from 0: some devices return exact zeros, and 0 / 0 would win the
-    argmax."""
+    """[vocab] Exp(1) draws, never 0: some devices draw exact zeros, and 0 / 0 would win the argmax."""
     noise = torch.empty(vocab, device=device).exponential_(generator=generator)
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
@@ -280,8 +278,7 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
     """vLLM's logprobs: log_softmax of the raw logits (before temperature, top-k, top-p) for the sampled
     token and the top_n most likely ones."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    ids = [token] + logprobs.topk(top_n).indices.tolist() if top_n else [token]
-    return {i: logprobs[i].item() for i in ids}
+    return {i: logprobs[i].item() for i in [token] + logprobs.topk(top_n).indices.tolist()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,13 +390,12 @@ class SuffixProposer:
         return draft_tree(np.concatenate(rows), budget, branches, self.min_prob)
 
 
+@dataclass
 class DraftModelProposer:
     """A small model with the target's vocabulary, sharing the target's block tables and slots. It reaches
     into the engine for one thing: its varlen forward."""
-
-    def __init__(self, model, max_num_batched_tokens: int):
-        self.model = model
-        self.budget = max_num_batched_tokens  # > 2 x the sequences drafting: each chunk makes progress
+    model: torch.nn.Module
+    budget: int  # max_num_batched_tokens: > 2 x the sequences drafting, so each chunk makes progress
 
     def propose(self, engine, items: list[ScheduledSeq]):
         seqs = [item.seq for item in items]
@@ -435,11 +431,10 @@ class DraftModelProposer:
         return hidden, query_start
 
 
+@dataclass
 class MLPProposer:
     """Heads i = 0..K-1 read the target's last hidden state and the last token; no KV cache."""
-
-    def __init__(self, model):
-        self.model = model
+    model: torch.nn.Module
 
     def propose(self, engine, items: list[ScheduledSeq]):
         state = self.model.first_state(torch.stack([item.seq.last_hidden for item in items]))
@@ -527,8 +522,7 @@ class GoodputChooser:
         """A real step rescales the whole profile: what a token more costs relative to a step comes from
         the profile; the level from real steps, with the per-sequence work (accept, commit) the profile
         lacks. (Real steps stored by size made the sizes above a batch's look cheap: BENCHMARKS.md.)"""
-        ratio = seconds / self.verify_cost(num_tokens, keys)
-        self.verify_scale += self.ema * (ratio - self.verify_scale)
+        self.verify_scale += self.ema * (seconds / self.verify_cost(num_tokens, keys) - self.verify_scale)
 
     def observe_draft(self, drafting: int, seconds: float):
         old = self.draft_time.get(drafting, seconds)
@@ -598,9 +592,8 @@ class Scheduler:
                 if seq not in self.running:
                     break
             if seq in self.running:
-                samples = seq.num_cached + num_tokens == len(seq)
-                scheduled.append(ScheduledSeq(seq, num_tokens, nodes, samples, max_depth=min(k, nodes),
-                                              branches=nodes if tree else 1))
+                scheduled.append(ScheduledSeq(seq, num_tokens, nodes, seq.num_cached + num_tokens == len(seq),
+                                              max_depth=min(k, nodes), branches=nodes if tree else 1))
                 budget -= num_tokens + nodes
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -786,9 +779,8 @@ class LLMEngine:
 
     # -- one forward over a varlen batch --------------------------------------------------------
     def forward(self, model, batch: list[tuple[Sequence, list[int], int]], parents=None):
-        """batch: (seq, tokens, start position); parents[b]: the parent of each of batch b's last tokens
-        when they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H] and host query_start_loc
-        [B+1]."""
+        """batch: (seq, tokens, start position); parents[b]: the parent of each of batch b's last tokens when
+        they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H] and host query_start_loc [B+1]."""
         q_lens = [len(tokens) for _, tokens, _ in batch]
         seq_lens = [start + len(tokens) for _, tokens, start in batch]
         input_ids = torch.tensor([t for _, tokens, _ in batch for t in tokens])
@@ -881,8 +873,7 @@ class LLMEngine:
             seq.num_accepted += len(path)
             seq.drafted_per_position.update(range(depth))  # per depth
             seq.accepted_per_position.update(range(len(path)))
-        if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
+        seq.first_token_time = seq.first_token_time or time.perf_counter()
         for t, row in zip([it.drafts[node] for node in path] + [token], logits):
             seq.token_ids.append(t)
             if seq.logprobs is not None:

@@ -30,8 +30,7 @@ class BlockManager:
 
     def trim(self, seq, num_tokens: int):
         """Release the blocks wholly beyond position num_tokens (rejected lookahead, shrunk K)."""
-        keep = self.blocks_for(num_tokens)
-        while len(seq.block_table) > keep:
+        while len(seq.block_table) > self.blocks_for(num_tokens):
             self.free_blocks.append(seq.block_table.pop())
 
     def free(self, seq):

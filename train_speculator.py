@@ -25,9 +25,8 @@ def collect(llm: LLM, prompts: list, max_tokens: int) -> dict:
     tokens [N], hidden [N, H] (bf16), greedy [N] (the target's argmax next token after each position: a
     label wherever the text is not the target's own) and doc [N] (which sequence each position is in)."""
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-    sequences = [out.prompt_token_ids + out.token_ids for out in outs]
     data = {"tokens": [], "hidden": [], "greedy": [], "doc": []}
-    for doc, ids in enumerate(sequences):
+    for doc, ids in enumerate(out.prompt_token_ids + out.token_ids for out in outs):
         hidden = llm.hidden_states(ids)
         data["tokens"].append(torch.tensor(ids))
         data["hidden"].append(hidden.to(torch.bfloat16).cpu())

@@ -15,7 +15,6 @@ ARCHITECTURES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": Lla
                  "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
                  "OPTForCausalLM": OPTForCausalLM}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this buffer; we recompute it
 
 
 def require(ok, problem: str):
@@ -31,8 +30,7 @@ def read_config(path: str) -> dict:
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{config_file} not found (expected a Hugging Face model folder)")
     try:
-        with open(config_file) as f:
-            return json.load(f)
+        return json.load(open(config_file))
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_file}: not valid JSON ({e})") from None
 
@@ -42,8 +40,7 @@ def resolve_dtype(dtype, config: dict, device="cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        checkpoint_dtype = DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32)
-        return auto_dtype(checkpoint_dtype, device)
+        return auto_dtype(DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32), device)
     require(dtype in DTYPES, f"dtype {dtype!r} is not supported (choose from auto, {', '.join(DTYPES)})")
     return DTYPES[dtype]
 
@@ -51,9 +48,8 @@ def resolve_dtype(dtype, config: dict, device="cpu") -> torch.dtype:
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, s) for s in shards]
+        shards = json.load(open(index))["weight_map"].values()
+        return [os.path.join(path, s) for s in sorted(set(shards))]
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
         return [single]
@@ -66,7 +62,7 @@ def read_checkpoint(path: str, dtype: torch.dtype, rename=lambda name: name, dev
     for file in safetensors_files(path):  # a missing shard: safe_open's FileNotFoundError names it
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                if not name.endswith(IGNORED_SUFFIXES):
+                if not name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved (recomputed)
                     state[rename(name)] = f.get_tensor(name).to(dtype)
     return state
 

@@ -36,8 +36,7 @@ def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.empty(size)), eps
 
     def forward(self, x, residual=None):
         return rms_norm(x, self.weight, self.eps, residual)

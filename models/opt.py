@@ -24,8 +24,7 @@ class OPTDecoderLayer(nn.Module):
 
     def forward(self, x):
         for norm, block in ((self.self_attn_layer_norm, self.self_attn), (self.final_layer_norm, self.mlp)):
-            residual = x
-            x = block(norm(x) if self.pre_norm else x) + residual
+            x = block(norm(x) if self.pre_norm else x) + x
             x = x if self.pre_norm else norm(x)
         return x
 
