@@ -43,9 +43,7 @@ class SamplingParams:
             self.stop = [self.stop]
         checks = {
             "temperature": self.temperature >= 0 and math.isfinite(self.temperature),
-            "top_p": 0 < self.top_p <= 1,
-            "top_k": self.top_k >= 0,
-            "max_tokens": self.max_tokens >= 1,
+            "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= 0, "max_tokens": self.max_tokens >= 1,
             "stop": all(isinstance(s, str) and s for s in self.stop or []),
             "num_spec_tokens": self.num_spec_tokens is None or self.num_spec_tokens >= 0,
             "logprobs": self.logprobs is None or self.logprobs >= 0,
@@ -571,8 +569,11 @@ class Scheduler:
         caps = [k_max if s.params.num_spec_tokens is None else min(k_max, s.params.num_spec_tokens)
                 for s in decoding]
         ks = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)],
-                                 [len(s) for s in decoding]) if self.chooser else caps
-        return dict(zip(decoding, ks))
+                                 [len(s) for s in decoding]) if self.chooser and decoding else caps
+        # Until a request has 2 outcomes at draft position 0 it verifies at least one draft: its cautious
+        # prior against a dear-looking profile (a busy machine at start-up) would never let it try, or learn.
+        return {s: max(k, min(cap, 1)) if s.reached_per_position[0] < 2 else k
+                for s, k, cap in zip(decoding, ks, caps)}
 
     def schedule(self) -> list[ScheduledSeq]:
         budget, scheduled, ks = self.max_num_batched_tokens, [], self.choose_k()
@@ -749,27 +750,28 @@ class LLMEngine:
         of up to 512 tokens; none where the pool or the model cannot hold a context worth measuring)."""
         capacity = min(self.blocks.num_blocks * self.block_size, self.max_model_len)
         sizes = [2 ** i for i in range(10) if 2 ** i <= min(max_tokens, capacity)]
-        table = {n: self.time_forward([0] * n, 0) for n in sizes}
         n = max(size for size in sizes if size <= 8)
-        context = min(512, capacity - n)
-        with_context = self.time_forward([0] * (context + n), context) if context >= 64 else table[n]
-        return table, max(with_context - table[n], 0.0) / (n * max(context, 1))
-
-    def time_forward(self, token_ids: list[int], cached: int) -> float:
-        """Best of two: seconds for the forward and logits (every row, as in a verify) of token_ids[cached:]
-        once the first `cached` are in the cache (blocks borrowed, then returned)."""
-        probe, times = Sequence(token_ids, SamplingParams(), self.device), []
-        require(self.blocks.ensure_slots(probe, len(token_ids)), "the KV pool is too small to profile")
+        context = min(512, capacity - n) if capacity - n >= 64 else 0
+        probe = Sequence([0] * max(context + n, sizes[-1]), SamplingParams(), self.device)  # blocks borrowed
+        require(self.blocks.ensure_slots(probe, len(probe)), "the KV pool is too small to profile")
         try:
-            if cached:
-                self.forward(self.model, [(probe, token_ids[:cached], 0)])
-            for _ in range(2):
-                start = self.clock()
-                self.model.lm_head(self.forward(self.model, [(probe, token_ids[cached:], cached)])[0])
-                times.append(self.clock() - start)
+            if context:  # cached once: the forwards from position 0 rewrite the same tokens' K/V
+                self.forward(self.model, [(probe, probe.token_ids[:context], 0)])
+            # Three passes, each size's best kept: a burst of other work on the machine spoils a pass, not a
+            # size (a spoilt size or context bent the costs: drafting looked too dear to try, K stayed 0).
+            passes = [[self.time_forward(probe, size, 0) for size in sizes]
+                      + [self.time_forward(probe, n, context)] for _ in range(3)]
         finally:
             self.blocks.free(probe)
-        return min(times)
+        *best, with_context = map(min, zip(*passes))
+        table = dict(zip(sizes, best))
+        return table, max(with_context - table[n], 0.0) / (n * context) if context else 0.0
+
+    def time_forward(self, probe: Sequence, num_tokens: int, start: int) -> float:
+        """Seconds for the forward and logits (all rows, as in a verify) of num_tokens of probe at start."""
+        started, tokens = self.clock(), probe.token_ids[start:start + num_tokens]
+        self.model.lm_head(self.forward(self.model, [(probe, tokens, start)])[0])
+        return self.clock() - started
 
     def clock(self) -> float:
         """time.perf_counter() once the device has finished its work (CUDA runs asynchronously)."""
