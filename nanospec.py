@@ -570,10 +570,11 @@ class Scheduler:
                 for s in decoding]
         ks = self.chooser.choose([acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)],
                                  [len(s) for s in decoding]) if self.chooser and decoding else caps
-        # Until a request has 2 outcomes at draft position 0 it verifies at least one draft: its cautious
-        # prior against a dear-looking profile (a busy machine at start-up) would never let it try, or learn.
-        return {s: max(k, min(cap, 1)) if s.reached_per_position[0] < 2 else k
-                for s, k, cap in zip(decoding, ks, caps)}
+        ks = dict(zip(decoding, ks))
+        # One request a step that has drafted in fewer than 2 steps drafts anyway (all of a batch at once cost
+        # 5%): a cautious prior against a dear-looking profile (a busy start-up) would never try, nor learn.
+        untried = [s for s, cap in zip(decoding, caps) if cap and not ks[s] and s.num_spec_steps < 2]
+        return ks | {s: 1 for s in untried[:1]}
 
     def schedule(self) -> list[ScheduledSeq]:
         budget, scheduled, ks = self.max_num_batched_tokens, [], self.choose_k()
