@@ -129,7 +129,7 @@ linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, i
         vf wk[PANELS * PV];
         for (int v = 0; v < panels * PV; v++)
             wk[v] = load_half(w, (p0 + v / PV) * K2 + k / 2, v % PV, k & 1, w_bf16);
-        for (int p = 0; p < panels; p++)  // a line a k (a pair's bf16 line is 64 bytes, fp32's two lines)
+        for (int p = 0; p < panels; p++)  // a line a k: fp32 has two a pair of k, bf16 one (fetched twice)
             __builtin_prefetch((const char *)w + ((p0 + p) * K2 + k / 2 + AHEAD) * PANEL * (w_bf16 ? 4 : 8)
                                + (k & 1) * 64);
         for (int r = 0; r < rows; r++) {
