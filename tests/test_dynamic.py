@@ -130,3 +130,21 @@ def test_new_requests_try_drafts_before_the_chooser_may_refuse(models):
     assert all(seq.num_spec_steps == 2 for seq in seqs) and sum(s.num_drafted for s in seqs) > 0
     assert [s.output_ids for s in seqs] == [o.token_ids for o in plain.generate(prompts(3), GREEDY,
                                                                                  use_progress=False)]
+
+
+def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models):
+    """Sizes up to 64 tokens are timed in three passes and the fastest kept (a burst of other work spoils
+    one pass, not the table); larger ones once. The probe's KV blocks go back to the pool."""
+    target, _, _ = models
+    llm = LLM(target, dtype="float32", block_size=2, num_blocks=512, draft="ngram", num_spec_tokens="auto")
+    calls, free_before = [], llm.blocks.num_free_blocks
+    def fake_time(probe, num_tokens, start):  # pass p's time: 1 ms per token, pass 1 a burst (x10)
+        calls.append((num_tokens, start))
+        return 1e-3 * num_tokens * (10 if calls.count((num_tokens, start)) == 2 else 1) + 1e-5 * start
+    llm.time_forward = fake_time
+    table, key_time = llm.profile_verify(128)
+    assert table == pytest.approx({t: 1e-3 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)})
+    assert key_time == pytest.approx(1e-5 / 8)  # the context's extra time, per token per cached key
+    assert calls.count((128, 0)) == 1 and all(calls.count((t, 0)) == 3 for t in (1, 8, 64))
+    context = min(512, llm.max_model_len - 8)
+    assert calls.count((8, context)) == 3 and llm.blocks.num_free_blocks == free_before
