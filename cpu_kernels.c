@@ -290,15 +290,15 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             p[i] = sum_lanes(partial) * scale;
             p[i] = (vf)(((vi)p[i] & valid) | ((vi)((vf){} - INFINITY) & ~valid));
         }
-        for (int i = 0; i < active; i++) {
-            float new_max = fmaxf(max_score[i], hmax(p[i]));
-            alpha[i] = expf(max_score[i] - new_max);  // 0 on the first chunk (e^-inf)
-            p[i] = exp_vf(p[i] - new_max);
+        for (int i = 0; i < active; i++) {  // alpha: e^(old max - new max), 0 on the first chunk (e^-inf)
+            float chunk_max = hmax(p[i]);
+            alpha[i] = 1.0f;  // where the max holds, e^0: skipping the rescaling keeps the same bits
+            if (chunk_max > max_score[i]) alpha[i] = expf(max_score[i] - chunk_max), max_score[i] = chunk_max;
+            p[i] = exp_vf(p[i] - max_score[i]);
             total[i] = total[i] * alpha[i] + hsum(p[i]);
-            max_score[i] = new_max;
         }
         for (int i = 0; i < active; i++) {
-            for (int c = 0; c < chunks; c++) acc[i][c] *= alpha[i];
+            for (int c = 0; alpha[i] != 1.0f && c < chunks; c++) acc[i][c] *= alpha[i];
             for (int j = 0; j < LANES && j < num_keys + i / group - l0; j++)  // the keys query i sees
                 for (int c = 0; c < chunks; c++) acc[i][c] += p[i][j] * values[j][c];
         }
