@@ -146,5 +146,6 @@ def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models):
     assert table == pytest.approx({t: 1e-3 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)})
     assert key_time == pytest.approx(1e-5 / 8)  # the context's extra time, per token per cached key
     assert calls.count((128, 0)) == 1 and all(calls.count((t, 0)) == 3 for t in (1, 8, 64))
-    context = min(512, llm.max_model_len - 8)
-    assert calls.count((8, context)) == 3 and llm.blocks.num_free_blocks == free_before
+    with_context = [call for call in calls if call[1] > 0]  # 8 tokens after a cached context, every pass
+    assert len(with_context) == 3 and len(set(with_context)) == 1 and with_context[0][0] == 8
+    assert llm.blocks.num_free_blocks == free_before
