@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench speculator clean
+.PHONY: install demo test fmt bench speculator clean
 SPECULATOR ?= $(HOME)/.cache/nanospec/smollm2-135m-speculator
 
 $(STAMP): pyproject.toml
@@ -26,8 +26,17 @@ demo: install
 	$(DEMO)
 	$(DEMO) --draft ngram
 
+# Unformatted code or a lint error fails the tests before they run (make fmt fixes the first).
 test: install
+	$(BIN)/ruff format --check --quiet . || (echo "unformatted: run make fmt" && false)
+	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest -q tests
+
+# ruff formats the Python; clang-format (.clang-format), where installed, the C.
+fmt: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+	if command -v clang-format >/dev/null; then clang-format -i cpu_kernels.c; fi
 
 bench: install
 	$(BIN)/python bench.py --draft none,ngram --num-spec-tokens 4,auto --batch-sizes 1,4,16

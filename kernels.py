@@ -1,7 +1,8 @@
-# The hot ops of every forward: linear, paged KV store, varlen paged attention, RMSNorm, rotary, SiLU-and-mul.
-# Each has a torch reference (`torch_*`), a Triton kernel (`triton_*`) for GPUs unless elementwise or a copy,
-# and C kernels (`c_*`, cpu_kernels.c) for CPUs where they pay; `pick` chooses by one rule, never Triton for a
-# CPU tensor unless forced (tests). No row's result depends on the rest of the call (DESIGN.md, "Exactness").
+# The hot ops of every forward: linear, paged KV store, varlen paged attention, RMSNorm, rotary,
+# SiLU-and-mul. Each has a torch reference (`torch_*`), a Triton kernel (`triton_*`) for GPUs unless
+# elementwise or a copy, and C kernels (`c_*`, cpu_kernels.c) for CPUs where they pay; `pick`
+# chooses by one rule, never Triton for a CPU tensor unless forced (tests). No row's result depends
+# on the rest of the call (DESIGN.md, "Exactness").
 import ctypes
 import functools
 import hashlib
@@ -26,15 +27,16 @@ FORCE_TRITON = os.environ.get("NANOSPEC_TRITON") == "1"
 # reads it, so nothing has to be threaded through the model's call signatures.
 @dataclass(slots=True)
 class AttentionContext:
-    slot_mapping: torch.Tensor     # [T] cache slot of each new token
-    block_tables: torch.Tensor     # [B, max_blocks] block ids per sequence (-1 padded)
-    seq_lens: torch.Tensor         # [B] context length including this step's tokens
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] block ids per sequence (-1 padded)
+    seq_lens: torch.Tensor  # [B] context length including this step's tokens
     query_start_loc: torch.Tensor  # [B+1] cu_seqlens of the packed queries
-    max_q_len: int                 # on the host, so no op needs a device->host sync
-    # Tree verification (None otherwise). Token t attends to logical positions 0..tree_pos[t]; the last W
-    # of them are its root-to-node path, read from physical positions tree_keys[t] ([T, W]; others read
-    # their own position). So a node's keys sit in the reduction order exactly where plain decoding of
-    # its path has them, and its bits equal plain decoding's (DESIGN.md, "Exactness").
+    max_q_len: int  # on the host, so no op needs a device->host sync
+    # Tree verification (None otherwise). Token t attends to logical positions 0..tree_pos[t]; the
+    # last W of them are its root-to-node path, read from physical positions tree_keys[t] ([T, W];
+    # others read their own position). So a node's keys sit in the reduction order exactly where
+    # plain decoding of its path has them, and its bits equal plain decoding's (DESIGN.md,
+    # "Exactness").
     tree_pos: torch.Tensor | None = None
     tree_keys: torch.Tensor | None = None
 
@@ -42,19 +44,24 @@ class AttentionContext:
 context: AttentionContext | None = None
 
 
-# ---------------------------------------------------------------------------------------------
-# The CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c
-# is compiled on first use with the system's C compiler into the cache dir and called through
-# ctypes. Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead.
-# The /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (avx512_bf16:
+# --------------------------------------------------------------------------------------------- The
+# CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c is
+# compiled on first use with the system's C compiler into the cache dir and called through ctypes.
+# Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead. The
+# /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (avx512_bf16:
 # -mavx512bf16). avx512bf16 adds the bf16 dot product to the linear layers.
-ISA_NEEDS = {"avx512bf16": ["avx512f", "avx512_bf16", "avx2", "fma", "f16c"],
-             "avx512": ["avx512f", "avx2", "fma", "f16c"], "avx2": ["avx2", "fma", "f16c"], "generic": []}
+ISA_NEEDS = {
+    "avx512bf16": ["avx512f", "avx512_bf16", "avx2", "fma", "f16c"],
+    "avx512": ["avx512f", "avx2", "fma", "f16c"],
+    "avx2": ["avx2", "fma", "f16c"],
+    "generic": [],
+}
 
 
 def cpu_isa() -> str:
-    """The widest ISA this CPU runs, or NANOSPEC_ISA (avx512bf16, avx512, avx2, generic): a big CPU can behave
-    like a small one (set ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA too, for torch's own kernels)."""
+    """The widest ISA this CPU runs, or NANOSPEC_ISA (avx512bf16, avx512, avx2, generic): a big
+    CPU can behave like a small one (set ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA too, for
+    torch's own kernels)."""
     forced = os.environ.get("NANOSPEC_ISA")
     if forced and forced not in ISA_NEEDS:
         raise ValueError(f"NANOSPEC_ISA={forced!r}: choose from {', '.join(ISA_NEEDS)}")
@@ -69,11 +76,16 @@ def cpu_flags() -> set[str]:
 
 
 def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
-    """--dtype auto. A GPU: the checkpoint's 16-bit dtype, else bf16. A CPU: bf16 where the C kernels run (on
-    every ISA they stream bf16 weights, half of fp32's memory traffic, and compute in fp32 registers) or where
-    torch has bf16 instructions; else fp32 (on an AVX2 CPU torch's bf16 matmul is ~5x slower than fp32)."""
+    """--dtype auto. A GPU: the checkpoint's 16-bit dtype, else bf16. A CPU: bf16 where the C
+    kernels run (on every ISA they stream bf16 weights, half of fp32's memory traffic, and
+    compute in fp32 registers) or where torch has bf16 instructions; else fp32 (on an AVX2 CPU
+    torch's bf16 matmul is ~5x slower than fp32)."""
     if torch.device(device).type != "cpu":
-        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+        return (
+            checkpoint_dtype
+            if checkpoint_dtype in (torch.float16, torch.bfloat16)
+            else torch.bfloat16
+        )
     native_bf16 = not os.environ.get("NANOSPEC_ISA") and {"avx512_bf16", "amx_bf16"} & cpu_flags()
     return torch.bfloat16 if cpu_kernels() is not None or native_bf16 else torch.float32
 
@@ -86,23 +98,38 @@ def cache_dir() -> Path:
 @functools.cache
 def cpu_kernels():
     """The compiled C kernels, or None; built and loaded on first call."""
-    source = Path(__file__).with_name("cpu_kernels.c")  # missing where an install kept only .py files
+    # missing where an install kept only .py files
+    source = Path(__file__).with_name("cpu_kernels.c")
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
     isa = cpu_isa()
-    command = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
-               "-Wno-psabi", *(f"-m{flag.replace('_', '')}" for flag in ISA_NEEDS[isa]), str(source)]
-    # Keyed by source, compiler and ISA flags: a cache on a shared disk never loads another CPU's build.
+    command = [
+        os.environ.get("CC", "cc"),
+        "-O3",
+        "-ffp-contract=fast",
+        "-fopenmp",
+        "-shared",
+        "-fPIC",
+        "-Wno-psabi",
+        *(f"-m{flag.replace('_', '')}" for flag in ISA_NEEDS[isa]),
+        str(source),
+    ]
+    # Keyed by source, compiler and ISA flags: a cache on a shared disk never loads another CPU's
+    # build.
     key = hashlib.sha1(source.read_bytes() + " ".join(command).encode()).hexdigest()[:12]
     library = cache_dir() / f"cpu_kernels-{isa}-{key}.so"
     if not library.exists():
-        partial = library.with_suffix(f".{os.getpid()}.tmp")  # renamed: no build ever sees half a file
+        # renamed: no build ever sees half a file
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
         try:  # no compiler, a failed build or an unwritable cache dir: the torch path still works
             library.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run(command + ["-o", str(partial)], check=True, capture_output=True)
             partial.rename(library)
         except (OSError, subprocess.CalledProcessError) as error:
-            warnings.warn(f"nanospec: could not build {source.name} ({error}); using the torch CPU path")
+            warnings.warn(
+                f"nanospec: could not build {source.name} ({error}); using the torch CPU path",
+                stacklevel=2,
+            )
             return None
     lib = ctypes.CDLL(str(library))
     lib.bf16_dot = isa == "avx512bf16"
@@ -131,13 +158,19 @@ C_DTYPES = (torch.float32, torch.bfloat16)
 def pick(x: torch.Tensor, triton_fn, c_fn, torch_fn):
     if x.is_cuda or FORCE_TRITON:
         return triton_fn
-    if c_fn is not None and x.device.type == "cpu" and x.dtype in C_DTYPES and cpu_kernels() is not None:
+    if (
+        c_fn is not None
+        and x.device.type == "cpu"
+        and x.dtype in C_DTYPES
+        and cpu_kernels() is not None
+    ):
         return c_fn
     return torch_fn
 
 
 def rms_norm(x, weight, eps, residual=None):
-    bf16_c = c_rms_norm if x.dtype == weight.dtype == torch.bfloat16 else None  # fp32: torch's one op
+    # fp32: torch's one op
+    bf16_c = c_rms_norm if x.dtype == weight.dtype == torch.bfloat16 else None
     return pick(x, triton_rms_norm, bf16_c, torch_rms_norm)(x, weight, eps, residual)
 
 
@@ -153,16 +186,30 @@ def attention(q, k, v, k_cache, v_cache, scale):
     assert context is not None, "attention called outside an engine step (no AttentionContext set)"
     store_kv(k, v, k_cache, v_cache, context.slot_mapping)
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
-    fn = pick(q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention)
-    return fn(q, k_cache, v_cache, context.block_tables, context.seq_lens, context.query_start_loc, scale,
-              context.max_q_len, context.tree_pos, context.tree_keys)
+    fn = pick(
+        q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention
+    )
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        context.block_tables,
+        context.seq_lens,
+        context.query_start_loc,
+        scale,
+        context.max_q_len,
+        context.tree_pos,
+        context.tree_keys,
+    )
 
 
 def linear(x, layer: "Linear"):
-    """y = x W^T + b, row-invariant. The C kernel reads the weight as packed panels (Linear.packed)."""
+    """y = x W^T + b, row-invariant. The C kernel reads the weight as packed panels
+    (Linear.packed)."""
     if layer.packed is not None:  # packed at load time, where pick() chose the C kernels
         return c_linear(x, layer.packed, layer.bias, layer.out_features)
-    return pick(x, triton_linear, None, torch_linear)(x, layer.weight, layer.bias)  # not cuBLAS: picks by M
+    # not cuBLAS: picks by M
+    return pick(x, triton_linear, None, torch_linear)(x, layer.weight, layer.bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +217,9 @@ def linear(x, layer: "Linear"):
 # on a CPU with the C kernels holds its weight packed once at load time for the weight-streaming
 # kernel (and the nn.Linear weight is dropped, unless shared with an embedding).
 class Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = None if packed is not None else weight
@@ -181,17 +230,21 @@ class Linear(nn.Module):
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> panels of 16 output columns (N zero-padded to a multiple of 16), k in pairs (K padded to
-    even): fp32 [N/16, K/2, 2, 16]; bf16 [N/16, K/2, 16, 2], so a pair of k shares one 32-bit word, the
-    operand of AVX512-BF16's dot product (cpu_kernels.c, "Linear")."""
+    """[N, K] -> panels of 16 output columns (N zero-padded to a multiple of 16), k in pairs (K
+    padded to even): fp32 [N/16, K/2, 2, 16]; bf16 [N/16, K/2, 16, 2], so a pair of k shares one
+    32-bit word, the operand of AVX512-BF16's dot product (cpu_kernels.c, "Linear")."""
     n, k = weight.shape
-    pairs = F.pad(weight, (0, k % 2, 0, -n % 16)).reshape(-1, 16, (k + 1) // 2, 2)  # [panel, n, k / 2, 2]
-    return pairs.permute((0, 2, 1, 3) if weight.dtype == torch.bfloat16 else (0, 2, 3, 1)).contiguous()
+    # [panel, n, k / 2, 2]
+    pairs = F.pad(weight, (0, k % 2, 0, -n % 16)).reshape(-1, 16, (k + 1) // 2, 2)
+    return pairs.permute(
+        (0, 2, 1, 3) if weight.dtype == torch.bfloat16 else (0, 2, 3, 1)
+    ).contiguous()
 
 
 def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:
-    """Swap every nn.Linear for a Linear, packed for the C kernels when they run here (pack=False keeps
-    plain weights, for code that reads them). A weight shared by several layers is packed once."""
+    """Swap every nn.Linear for a Linear, packed for the C kernels when they run here (pack=False
+    keeps plain weights, for code that reads them). A weight shared by several layers is packed
+    once."""
     packed = {}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -202,84 +255,136 @@ def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:
             if c_runs and weight.data_ptr() not in packed:
                 packed[weight.data_ptr()] = pack_weight(weight)
             bias = None if child.bias is None else child.bias.detach()
-            setattr(module, name, Linear(weight, bias, packed[weight.data_ptr()] if c_runs else None))
+            setattr(
+                module, name, Linear(weight, bias, packed[weight.data_ptr()] if c_runs else None)
+            )
     return model
 
 
 def torch_linear(x, weight, bias=None):
-    """F.linear one row at a time: BLAS picks its kernel, and so its summation order, by the number of
-    rows, so a row must always be computed in a call of one row."""
+    """F.linear one row at a time: BLAS picks its kernel, and so its summation order, by the
+    number of rows, so a row must always be computed in a call of one row."""
     out_rows = [F.linear(row, weight, bias) for row in x.reshape(-1, x.shape[-1])]
     out = torch.stack(out_rows) if out_rows else x.new_empty(0, weight.shape[0])
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def c_linear(x, packed, bias, out_features):
-    """cpu_kernels.c's linear: each output one fixed fp32 chain over k, the weights streamed once per call."""
+    """cpu_kernels.c's linear: each output one fixed fp32 chain over k, the weights streamed once
+    per call."""
     rows = x.reshape(-1, x.shape[-1])
     out = x.new_empty(rows.shape[0], out_features)
-    # The bf16 dot product takes bf16 rows as they are, at every M. For FMAs, several bf16 rows are widened
-    # once here (exactly): in the kernel each column group would redo it.
+    # The bf16 dot product takes bf16 rows as they are, at every M. For FMAs, several bf16 rows are
+    # widened once here (exactly): in the kernel each column group would redo it.
     dot = cpu_kernels().bf16_dot and rows.dtype == packed.dtype == torch.bfloat16
     rows = rows.float() if len(rows) > 1 and not dot else rows.contiguous()
-    cpu_kernels().linear(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                         out.data_ptr(), out.shape[0], out_features, rows.shape[1],
-                         *(t.dtype == torch.bfloat16 for t in (rows, packed, out)), torch.get_num_threads())
+    cpu_kernels().linear(
+        rows.data_ptr(),
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out.shape[0],
+        out_features,
+        rows.shape[1],
+        *(t.dtype == torch.bfloat16 for t in (rows, packed, out)),
+        torch.get_num_threads(),
+    )
     return out.view(*x.shape[:-1], out_features)
 
 
 # ---------------------------------------------------------------------------------------------
 # Paged attention, store_kv, norms, rotary, activations: torch references and C kernels.
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    """k, v: [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots. A pure copy, so one
-    implementation (torch's scatter) serves every device."""
+    """k, v: [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots. A pure copy,
+    so one implementation (torch's scatter) serves every device."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
-def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                          max_q_len=None, tree_pos=None, tree_keys=None):
-    """Causal attention of packed queries q [T, Hq, D] over the paged cache -> [T, Hq, D]. Query j of
-    sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it (with a tree:
-    logical positions <= tree_pos[t], see AttentionContext). Each query is attended on its own, over
-    exactly its keys: the same shapes, so the same arithmetic, whatever the step around it."""
+def torch_paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    max_q_len=None,
+    tree_pos=None,
+    tree_keys=None,
+):
+    """Causal attention of packed queries q [T, Hq, D] over the paged cache -> [T, Hq, D]. Query
+    j of sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it
+    (with a tree: logical positions <= tree_pos[t], see AttentionContext). Each query is attended
+    on its own, over exactly its keys: the same shapes, so the same arithmetic, whatever the step
+    around it."""
     out = torch.empty_like(q)
     group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         positions = torch.arange(seq_len, device=q.device)
-        slots = block_tables[b, positions // block_size].long() * block_size + positions % block_size
+        slots = (
+            block_tables[b, positions // block_size].long() * block_size + positions % block_size
+        )
         keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
         for t in range(starts[b], starts[b + 1]):
-            order = torch.arange(seq_len - (starts[b + 1] - t) + 1, device=q.device)  # keys 0..position
+            # keys 0..position
+            order = torch.arange(seq_len - (starts[b + 1] - t) + 1, device=q.device)
             if tree_pos is not None:
                 num_keys, width = int(tree_pos[t]) + 1, tree_keys.shape[1]
-                order = torch.cat([order[:max(num_keys - width, 0)], tree_keys[t, max(width - num_keys, 0):]])
+                order = torch.cat(
+                    [order[: max(num_keys - width, 0)], tree_keys[t, max(width - num_keys, 0) :]]
+                )
             scores = torch.einsum("hd,lhd->hl", q[t].float(), keys[order]) * scale
             out[t] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values[order]).to(q.dtype)
     return out
 
 
-def c_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                      max_q_len=None, tree_pos=None, tree_keys=None):
+def c_paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    max_q_len=None,
+    tree_pos=None,
+    tree_keys=None,
+):
     """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (fp32 or bf16)."""
     q = q.contiguous()
-    tables, seq_lens, starts = (t.long().contiguous() for t in (block_tables, seq_lens, query_start_loc))
+    tables, seq_lens, starts = (
+        t.long().contiguous() for t in (block_tables, seq_lens, query_start_loc)
+    )
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
     tree = () if tree_pos is None else tuple(t.long().contiguous() for t in (tree_pos, tree_keys))
-    tree_args = (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1]) if tree else (None, None, 0)
+    tree_args = (
+        (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1]) if tree else (None, None, 0)
+    )
     pointers = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
-    cpu_kernels().paged_attention(*pointers, len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads,
-                                  head_dim, block_size, scale, q.dtype == torch.bfloat16,
-                                  torch.get_num_threads(), *tree_args)
+    cpu_kernels().paged_attention(
+        *pointers,
+        len(seq_lens),
+        tables.shape[1],
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        q.dtype == torch.bfloat16,
+        torch.get_num_threads(),
+        *tree_args,
+    )
     return out
 
 
 def torch_rms_norm(x, weight, eps, residual=None):
-    """RMSNorm computed in fp32 (as HF does). With residual: x += residual first; returns (normed, sum)."""
+    """RMSNorm computed in fp32 (as HF does). With residual: x += residual first; returns
+    (normed, sum)."""
     if residual is not None:
         x = residual = x + residual
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
@@ -289,7 +394,9 @@ def torch_rms_norm(x, weight, eps, residual=None):
 def c_rms_norm(x, weight, eps, residual=None):
     """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (bf16, CPU)."""
     x, out = x.contiguous(), torch.empty_like(x)
-    residual, summed = (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
+    residual, summed = (
+        (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
+    )
     pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, summed)]
     cpu_kernels().rms_norm(*pointers, x.numel() // x.shape[-1], x.shape[-1], eps)
     return out if residual is None else (out, summed)
@@ -308,28 +415,32 @@ def c_rotary(x, cos_sin):
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     out = x.new_empty(x.shape)
-    cpu_kernels().rotary(x.data_ptr(), cos_sin.contiguous().data_ptr(), out.data_ptr(), *x.shape, x.stride(0))
+    cpu_kernels().rotary(
+        x.data_ptr(), cos_sin.contiguous().data_ptr(), out.data_ptr(), *x.shape, x.stride(0)
+    )
     return out
 
 
 def silu_mul(x):
-    """x: [T, 2I] = [gate | up] -> silu(gate) * up. Elementwise: the torch op serves every device."""
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up. Elementwise: the torch op serves every
+    device."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernels (same signatures as the torch references above). Conventions: one wrapper per op (shapes,
-# strides, grid, tile sizes), one @triton.jit kernel behind it. Every load and store is masked (the CPU
-# interpreter does no bounds checking), tl.arange extents are powers of two, tl.dot tiles are >= 16 in every
-# dim, math is fp32 (rounded where the reference rounds), stores are in the output dtype.
+# Triton kernels (same signatures as the torch references above). Conventions: one wrapper per op
+# (shapes, strides, grid, tile sizes), one @triton.jit kernel behind it. Every load and store is
+# masked (the CPU interpreter does no bounds checking), tl.arange extents are powers of two, tl.dot
+# tiles are >= 16 in every dim, math is fp32 (rounded where the reference rounds), stores are in the
+# output dtype.
 def _pow2(n, at_least=1):
     return max(at_least, triton.next_power_of_2(n))
 
 
 def _launch(kernel, grid, args, num_warps, **constexprs):
-    """Every wrapper launches through here (tests/test_compile.py records the launches): an empty grid
-    (no rows) does nothing."""
+    """Every wrapper launches through here (tests/test_compile.py records the launches): an empty
+    grid (no rows) does nothing."""
     if min(grid) > 0:
         kernel[grid](*args, **constexprs, num_warps=num_warps)
 
@@ -342,11 +453,34 @@ def _as_rows(x):
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        tree_pos_ptr, tree_keys_ptr, tree_width, scale, stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_cb, stride_cs, stride_ch, stride_bt, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_Q: tl.constexpr, TREE: tl.constexpr):
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    tree_pos_ptr,
+    tree_keys_ptr,
+    tree_width,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TREE: tl.constexpr,
+):
     q_block, seq, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -361,22 +495,26 @@ def _paged_attention_kernel(
     row_ok = (rows < BLOCK_Q * GROUP) & (j < q_len)
     q_pos = seq_len - q_len + j
     token = (q_start + j).to(tl.int64)
-    if TREE:  # one query per tile (BLOCK_Q = 1), so its path remaps the tile's keys (AttentionContext)
+    # one query per tile (BLOCK_Q = 1), so its path remaps the tile's keys (AttentionContext)
+    if TREE:
         q_pos = tl.load(tree_pos_ptr + token, mask=row_ok, other=0)
         remap_from = tl.load(tree_pos_ptr + q_start + q_block) - tree_width + 1
     dims = tl.arange(0, DIM_PAD)
     q_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=q_mask, other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
 
     # Online softmax in the log2 domain (exp2 is the native instruction): scores carry log2(e).
     qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's scores
-    l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)        # running sum of exp2(score - m_i) * v
-    # Keys from position 0 up to the tile's last query position (nothing later is visible to any of its
-    # rows). Every row, padding included, sees position 0: from the first tile on m_i is finite (no
-    # -inf - -inf = NaN) and l_i >= 1 (the row's max scores exp2(0) = 1).
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)  # running sum of exp2(score - m_i) * v
+    # Keys from position 0 up to the tile's last query position (nothing later is visible to any of
+    # its rows). Every row, padding included, sees position 0: from the first tile on m_i is finite
+    # (no -inf - -inf = NaN) and l_i >= 1 (the row's max scores exp2(0) = 1).
     kv_end = tl.max(tl.where(row_ok, q_pos, -1)) + 1
     for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
@@ -384,10 +522,16 @@ def _paged_attention_kernel(
         phys = pos
         if TREE:
             on_path = pos_ok & (pos >= remap_from)
-            path = tl.load(tree_keys_ptr + (q_start + q_block) * tree_width + pos - remap_from, mask=on_path)
+            path = tl.load(
+                tree_keys_ptr + (q_start + q_block) * tree_width + pos - remap_from, mask=on_path
+            )
             phys = tl.where(on_path, path, pos)
-        block = tl.load(block_tables_ptr + seq * stride_bt + phys // BLOCK_SIZE, mask=pos_ok, other=0)
-        kv_offs = block.to(tl.int64) * stride_cb + (phys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        block = tl.load(
+            block_tables_ptr + seq * stride_bt + phys // BLOCK_SIZE, mask=pos_ok, other=0
+        )
+        kv_offs = (
+            block.to(tl.int64) * stride_cb + (phys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        )
         kv_ptrs = kv_offs[:, None] + dims[None, :]
         kv_mask = pos_ok[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
@@ -408,40 +552,93 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                           max_q_len, tree_pos=None, tree_keys=None):
-    """Unified varlen paged attention: one kernel for prefill chunks, decode and verification. Grid (query
-    blocks, sequences, kv heads), sized from the host int max_q_len (no sync). A tile's BLOCK_M rows are
-    (query, head-in-group) pairs, so the GQA heads sharing a KV head read each K/V tile once. BLOCK_M = 64
-    rows whatever the step, and keys in BLOCK_N = 64 tiles from position 0: a query's arithmetic never depends
-    on its batch partners (row invariance). Keys are gathered through the block table per position, so any
-    block size (even 1) works. With a tree, one query per tile (its rows alone in the same tile shape: the
-    same bits), so a node's path can remap the tile's key positions."""
+def triton_paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    max_q_len,
+    tree_pos=None,
+    tree_keys=None,
+):
+    """Unified varlen paged attention: one kernel for prefill chunks, decode and verification.
+    Grid (query blocks, sequences, kv heads), sized from the host int max_q_len (no sync). A
+    tile's BLOCK_M rows are (query, head-in-group) pairs, so the GQA heads sharing a KV head read
+    each K/V tile once. BLOCK_M = 64 rows whatever the step, and keys in BLOCK_N = 64 tiles from
+    position 0: a query's arithmetic never depends on its batch partners (row invariance). Keys
+    are gathered through the block table per position, so any block size (even 1) works. With a
+    tree, one query per tile (its rows alone in the same tile shape: the same bits), so a node's
+    path can remap the tile's key positions."""
     _, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert q.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     group = num_heads // num_kv_heads
-    block_m = max(64, _pow2(group))  # per model, never per step: a query's tile shape is always the same
+    # per model, never per step: a query's tile shape is always the same
+    block_m = max(64, _pow2(group))
     block_q = 1 if tree_pos is not None else block_m // group
-    tree = (seq_lens, seq_lens, 0) if tree_pos is None else (tree_pos, tree_keys, tree_keys.shape[1])
+    tree = (
+        (seq_lens, seq_lens, 0) if tree_pos is None else (tree_pos, tree_keys, tree_keys.shape[1])
+    )
     grid = (triton.cdiv(max_q_len, block_q), seq_lens.shape[0], num_kv_heads)
-    _launch(_paged_attention_kernel, grid, (
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, *tree, scale, q.stride(0),
-        q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0)), 4,
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, DIM_PAD=_pow2(head_dim, 16), BLOCK_M=block_m,
-        BLOCK_N=64, BLOCK_Q=block_q, TREE=tree_pos is not None)
+    _launch(
+        _paged_attention_kernel,
+        grid,
+        (
+            q,
+            k_cache,
+            v_cache,
+            out,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            *tree,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *k_cache.stride()[:3],
+            block_tables.stride(0),
+        ),
+        4,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        DIM_PAD=_pow2(head_dim, 16),
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        BLOCK_Q=block_q,
+        TREE=tree_pos is not None,
+    )
     return out
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count, M = 1 included
-def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
-    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # a [BLOCK_K, BLOCK_N] tile of W^T
+    # a [BLOCK_K, BLOCK_N] tile of W^T
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):  # one fp32 accumulator over K, in order: no split-K
         x = tl.load(x_ptrs + k, mask=(rows[:, None] < M) & (k + ks[None, :] < K), other=0.0)
@@ -450,25 +647,57 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_w
     if HAS_BIAS:  # after the reduction, as F.linear adds it
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tl.store(
+        out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N)
+    )
 
 
 def triton_linear(x, weight, bias=None):
-    """y = x W^T + b, row-invariant: tiles fixed per dtype (never chosen by M) and no split-K, so an
-    output is the same fp32 dot over K in BLOCK_K steps whatever the row count; output in x's dtype.
-    Tiles of 32-64 rows waste MMA work at decode's few rows, but decode is bound by reading weights."""
+    """y = x W^T + b, row-invariant: tiles fixed per dtype (never chosen by M) and no split-K, so
+    an output is the same fp32 dot over K in BLOCK_K steps whatever the row count; output in x's
+    dtype. Tiles of 32-64 rows waste MMA work at decode's few rows, but decode is bound by
+    reading weights."""
     x2, n = _as_rows(x), weight.shape[0]
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = (32, 64, 32) if x.dtype == torch.float32 else (64, 64, 64)  # fp32: 2x bytes
-    _launch(_linear_kernel, (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)), (
-        x2, weight, weight if bias is None else bias, out, x2.shape[0], n, x2.shape[1], x2.stride(0),
-        weight.stride(0)), 4, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    # fp32: 2x bytes
+    block_m, block_n, block_k = (32, 64, 32) if x.dtype == torch.float32 else (64, 64, 64)
+    _launch(
+        _linear_kernel,
+        (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)),
+        (
+            x2,
+            weight,
+            weight if bias is None else bias,
+            out,
+            x2.shape[0],
+            n,
+            x2.shape[1],
+            x2.stride(0),
+            weight.stride(0),
+        ),
+        4,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
     return out.view(*x.shape[:-1], n)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, stride_x, stride_r,
-                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    sum_ptr,
+    stride_x,
+    stride_r,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -491,6 +720,12 @@ def triton_rms_norm(x, weight, eps, residual=None):
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = torch.empty_like(x2) if residual is not None else out  # (not written without residual)
     block = _pow2(hidden)
-    _launch(_rms_norm_kernel, (x2.shape[0],), (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0),
-            hidden, eps), min(max(block // 256, 1), 16), HAS_RESIDUAL=residual is not None, BLOCK=block)
+    _launch(
+        _rms_norm_kernel,
+        (x2.shape[0],),
+        (x2, r2, weight, out, summed, x2.stride(0), r2.stride(0), hidden, eps),
+        min(max(block // 256, 1), 16),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+    )
     return out.view(x.shape) if residual is None else (out.view(x.shape), summed.view(x.shape))

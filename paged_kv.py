@@ -1,6 +1,6 @@
-# The paged KV pool: which cache blocks each sequence owns, and the cache tensors those block ids index.
-# One pool serves the target and the draft model (a block id indexes both caches). It must never hand
-# one block to two sequences or lose one: free + used == total at every moment.
+# The paged KV pool: which cache blocks each sequence owns, and the cache tensors those block ids
+# index. One pool serves the target and the draft model (a block id indexes both caches). It must
+# never hand one block to two sequences or lose one: free + used == total at every moment.
 import math
 
 import torch
@@ -11,7 +11,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low ids first
+        # a stack: pop() hands out low ids first
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
 
     @property
     def num_free_blocks(self) -> int:
@@ -21,7 +22,8 @@ class BlockManager:
         return math.ceil(num_tokens / self.block_size)
 
     def ensure_slots(self, seq, num_tokens: int) -> bool:
-        """Make seq's block table cover positions [0, num_tokens). All or nothing: False if short."""
+        """Make seq's block table cover positions [0, num_tokens). All or nothing: False if
+        short."""
         missing = self.blocks_for(num_tokens) - len(seq.block_table)
         if missing > len(self.free_blocks):
             return False
@@ -37,7 +39,10 @@ class BlockManager:
         self.trim(seq, 0)
 
     def slot(self, seq, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+        return (
+            seq.block_table[position // self.block_size] * self.block_size
+            + position % self.block_size
+        )
 
 
 def attention_layers(model) -> list:
@@ -52,8 +57,8 @@ def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
 
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
-    """Allocate one model's cache, [2 (K and V), layers, num_blocks, block_size, num_kv_heads, head_dim],
-    and hand each attention layer its K and V views."""
+    """Allocate one model's cache, [2 (K and V), layers, num_blocks, block_size, num_kv_heads,
+    head_dim], and hand each attention layer its K and V views."""
     layers = attention_layers(model)
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     cache = torch.zeros(shape, dtype=dtype, device=device)

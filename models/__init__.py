@@ -1,6 +1,7 @@
-# Loading: a Hugging Face folder (config.json + safetensors + tokenizer.json) -> model, config, tokenizer.
-# The architecture table is the only place that maps config.json to code. Weights come from safetensors
-# only (never pickle), and a missing or mis-shaped tensor is an error naming the tensor and the folder.
+# Loading: a Hugging Face folder (config.json + safetensors + tokenizer.json) -> model, config,
+# tokenizer. The architecture table is the only place that maps config.json to code. Weights come
+# from safetensors only (never pickle), and a missing or mis-shaped tensor is an error naming the
+# tensor and the folder.
 import json
 import os
 
@@ -11,9 +12,13 @@ from kernels import auto_dtype, use_linears
 from models.llama import LlamaForCausalLM
 from models.opt import OPTForCausalLM
 
-ARCHITECTURES = {"LlamaForCausalLM": LlamaForCausalLM, "MistralForCausalLM": LlamaForCausalLM,
-                 "Qwen2ForCausalLM": LlamaForCausalLM, "Qwen3ForCausalLM": LlamaForCausalLM,
-                 "OPTForCausalLM": OPTForCausalLM}
+ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,12 +41,17 @@ def read_config(path: str) -> dict:
 
 
 def resolve_dtype(dtype, config: dict, device="cpu") -> torch.dtype:
-    """A torch dtype, a name, or "auto": chosen for the device from the checkpoint's (kernels.auto_dtype)."""
+    """A torch dtype, a name, or "auto": chosen for the device from the checkpoint's
+    (kernels.auto_dtype)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return auto_dtype(DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32), device)
-    require(dtype in DTYPES, f"dtype {dtype!r} is not supported (choose from auto, {', '.join(DTYPES)})")
+        return auto_dtype(
+            DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32), device
+        )
+    require(
+        dtype in DTYPES, f"dtype {dtype!r} is not supported (choose from auto, {', '.join(DTYPES)})"
+    )
     return DTYPES[dtype]
 
 
@@ -53,8 +63,10 @@ def safetensors_files(path: str) -> list[str]:
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
         return [single]
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json "
-                            "(pickle checkpoints are never loaded)")
+    raise FileNotFoundError(
+        f"{path}: no model.safetensors or model.safetensors.index.json "
+        "(pickle checkpoints are never loaded)"
+    )
 
 
 def read_checkpoint(path: str, dtype: torch.dtype, rename=lambda name: name, device="cpu") -> dict:
@@ -62,7 +74,8 @@ def read_checkpoint(path: str, dtype: torch.dtype, rename=lambda name: name, dev
     for file in safetensors_files(path):  # a missing shard: safe_open's FileNotFoundError names it
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                if not name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved (recomputed)
+                # a buffer old checkpoints saved (recomputed)
+                if not name.endswith("rotary_emb.inv_freq"):
                     state[rename(name)] = f.get_tensor(name).to(dtype)
     return state
 
@@ -81,25 +94,33 @@ def pack(state: dict, packed_modules: dict) -> dict:
 def load_weights(model: torch.nn.Module, path: str, dtype: torch.dtype, device):
     rename = getattr(model, "rename", lambda name: name)
     state = pack(read_checkpoint(path, dtype, rename, device), getattr(model, "packed_modules", {}))
-    for name, source in model.tied_weights.items():  # one tensor, several names (a tied lm_head or head)
+    # one tensor, several names (a tied lm_head or head)
+    for name, source in model.tied_weights.items():
         if name not in state and source in state:
             state[name] = state[source]
     expected = model.state_dict()
     for name, param in expected.items():
         require(name in state, f"{path}: checkpoint is missing tensor {name!r}")
-        require(state[name].shape == param.shape, f"{path}: tensor {name!r} has shape "
-                f"{tuple(state[name].shape)}, config.json implies {tuple(param.shape)}")
+        require(
+            state[name].shape == param.shape,
+            f"{path}: tensor {name!r} has shape "
+            f"{tuple(state[name].shape)}, config.json implies {tuple(param.shape)}",
+        )
     model.load_state_dict({name: state[name] for name in expected}, assign=True)
 
 
 def load_model(path: str, dtype="auto", device="cpu", pack=True):
-    """Build the model on the meta device (no memory, no init), then assign the checkpoint's tensors.
-    pack=False keeps every linear's weight readable (for training code), not packed for the C kernels."""
+    """Build the model on the meta device (no memory, no init), then assign the checkpoint's
+    tensors. pack=False keeps every linear's weight readable (for training code), not packed for
+    the C kernels."""
     config = read_config(path)
     archs = config.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
-    require(arch, f"{path}: unsupported architecture {archs or config.get('model_type')!r} "
-            f"(supported: {', '.join(ARCHITECTURES)})")
+    require(
+        arch,
+        f"{path}: unsupported architecture {archs or config.get('model_type')!r} "
+        f"(supported: {', '.join(ARCHITECTURES)})",
+    )
     dtype = resolve_dtype(dtype, config, device)
     try:
         with torch.device("meta"):
@@ -111,10 +132,12 @@ def load_model(path: str, dtype="auto", device="cpu", pack=True):
 
 
 class Tokenizer:
-    """tokenizer.json (via `tokenizers`) plus tokenizer_config.json's chat template and special tokens."""
+    """tokenizer.json (via `tokenizers`) plus tokenizer_config.json's chat template and special
+    tokens."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer as HFTokenizer
+
         self.tokenizer = HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
         config_file = os.path.join(path, "tokenizer_config.json")
         self.config = json.load(open(config_file)) if os.path.exists(config_file) else {}
@@ -126,13 +149,16 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def decode_next(self, ids: list[int], prefix_offset: int, read_offset: int) -> tuple[str, tuple]:
-        """Incremental detokenization: the text ids[read_offset:] add, decoded from prefix_offset (context
-        for spacing), and the next offsets. An incomplete UTF-8 character waits for the next token."""
+    def decode_next(
+        self, ids: list[int], prefix_offset: int, read_offset: int
+    ) -> tuple[str, tuple]:
+        """Incremental detokenization: the text ids[read_offset:] add, decoded from prefix_offset
+        (context for spacing), and the next offsets. An incomplete UTF-8 character waits for the
+        next token."""
         prefix = self.decode(ids[prefix_offset:read_offset])
         text = self.decode(ids[prefix_offset:])
         if len(text) > len(prefix) and not text.endswith("\ufffd"):
-            return text[len(prefix):], (read_offset, len(ids))
+            return text[len(prefix) :], (read_offset, len(ids))
         return "", (prefix_offset, read_offset)
 
     def token_id(self, token) -> int | None:
@@ -141,14 +167,19 @@ class Tokenizer:
         return self.tokenizer.token_to_id(token) if token else None
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        require(self.chat_template, "--chat: this model's tokenizer_config.json has no chat_template")
-        import jinja2.sandbox  # a downloaded template is untrusted code: keep it away from Python internals
+        require(
+            self.chat_template, "--chat: this model's tokenizer_config.json has no chat_template"
+        )
+        # a downloaded template is untrusted code: keep it away from Python internals
+        import jinja2.sandbox
+
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         special = {k: self.config.get(k) for k in ("bos_token", "eos_token")}
         try:
             template = env.from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=True, **special)
-        except jinja2.TemplateError as e:  # SecurityError, UndefinedError (an unsafe attribute), syntax
+        # SecurityError, UndefinedError (an unsafe attribute), syntax
+        except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 

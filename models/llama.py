@@ -10,8 +10,8 @@ from kernels import attention, rms_norm, rotary, silu_mul
 
 
 def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] float32 = [cos | sin] of position * inv_freq, the inverse frequencies
-    with llama3 scaling when config asks for it."""
+    """[max_positions, head_dim] float32 = [cos | sin] of position * inv_freq, the inverse
+    frequencies with llama3 scaling when config asks for it."""
     # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
@@ -49,8 +49,11 @@ class Attention(nn.Module):
         self.num_heads = config["num_attention_heads"]
         self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
         self.head_dim = config.get("head_dim") or hidden // self.num_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.q_size, self.kv_size = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
         # q, k and v (and gate/up below) are packed into one matmul: fewer, larger ops per layer.
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
@@ -58,15 +61,16 @@ class Attention(nn.Module):
         if qk_norm:  # Qwen3: RMSNorm over each head's q and k before rotary
             self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
             self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
-        self.k_cache = self.v_cache = None  # views into the engine's KV pool, set by allocate_kv_cache
+        # views into the engine's KV pool, set by allocate_kv_cache
+        self.k_cache = self.v_cache = None
 
     def forward(self, x, cos_sin=None):  # cos_sin None: no rotary (OPT)
         qkv = self.qkv_proj(x)
         heads = (self.num_heads, self.num_kv_heads)
         # q and k sit side by side in each row of qkv: view them as one [T, Hq + Hkv, D] tensor and
         # rotate it in one call (half the small ops of rotating q and k apart).
-        q_k = qkv[:, :self.q_size + self.kv_size].view(-1, sum(heads), self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        q_k = qkv[:, : self.q_size + self.kv_size].view(-1, sum(heads), self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = q_k.split(heads, dim=1)
             q_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
@@ -89,7 +93,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: dict, **attn_flags):
         super().__init__()
         self.self_attn = Attention(config, **attn_flags)
-        self.mlp = MLP(config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False))
+        self.mlp = MLP(
+            config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False)
+        )
         self.input_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
@@ -106,7 +112,11 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Also Mistral, Qwen2 and Qwen3: `arch` picks the flags."""
-    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    packed_modules = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
 
     def __init__(self, config: dict, arch: str = "LlamaForCausalLM"):
         super().__init__()
@@ -115,23 +125,30 @@ class LlamaForCausalLM(nn.Module):
         if arch == "Qwen2ForCausalLM":  # Qwen2 always has q/k/v bias and never an o_proj bias
             flags.update(qkv_bias=True, o_bias=False)
         self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
-        self.model = nn.Module()  # a namespace: parameter names are the checkpoint's ("model.layers.0...")
+        # a namespace: parameter names are the checkpoint's ("model.layers.0...")
+        self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size)
         layers = (DecoderLayer(config, **flags) for _ in range(config["num_hidden_layers"]))
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(self.hidden_size, config["rms_norm_eps"])
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
         # A tied head is the embedding matrix itself: the loader fills lm_head.weight from it.
-        self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"} \
-            if config.get("tie_word_embeddings", False) else {}
+        self.tied_weights = (
+            {"lm_head.weight": "model.embed_tokens.weight"}
+            if config.get("tie_word_embeddings", False)
+            else {}
+        )
         self.max_position_embeddings = config.get("max_position_embeddings", 4096)
         window = config.get("sliding_window")
         if window and (arch == "MistralForCausalLM" or config.get("use_sliding_window")):
-            # Sliding-window attention is not implemented; within the window it equals full attention,
-            # so the context is capped there rather than silently computing something else.
+            # Sliding-window attention is not implemented; within the window it equals full
+            # attention, so the context is capped there rather than silently computing something
+            # else.
             self.max_position_embeddings = min(self.max_position_embeddings, window)
         # rope_cache builds on the CPU explicitly: models are constructed on the meta device.
-        cos_sin = rope_cache(config, self.model.layers[0].self_attn.head_dim, self.max_position_embeddings)
+        cos_sin = rope_cache(
+            config, self.model.layers[0].self_attn.head_dim, self.max_position_embeddings
+        )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(self, input_ids, positions):

@@ -23,7 +23,10 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
 
     def forward(self, x):
-        for norm, block in ((self.self_attn_layer_norm, self.self_attn), (self.final_layer_norm, self.mlp)):
+        for norm, block in (
+            (self.self_attn_layer_norm, self.self_attn),
+            (self.final_layer_norm, self.mlp),
+        ):
             x = block(norm(x) if self.pre_norm else x) + x
             x = x if self.pre_norm else norm(x)
         return x
@@ -38,35 +41,60 @@ class OPTForCausalLM(nn.Module):
     def __init__(self, config: dict, arch: str = "OPTForCausalLM"):
         super().__init__()
         if config.get("activation_function", "relu") != "relu":
-            raise ValueError(f"config.json: OPT activation {config['activation_function']!r} is unsupported")
-        hidden, proj_dim = config["hidden_size"], config.get("word_embed_proj_dim") or config["hidden_size"]
-        self.model = nn.Module()  # namespaces: parameter names are the checkpoint's ("model.decoder...")
+            raise ValueError(
+                f"config.json: OPT activation {config['activation_function']!r} is unsupported"
+            )
+        hidden, proj_dim = (
+            config["hidden_size"],
+            config.get("word_embed_proj_dim") or config["hidden_size"],
+        )
+        # namespaces: parameter names are the checkpoint's ("model.decoder...")
+        self.model = nn.Module()
         self.model.decoder = dec = nn.Module()
         dec.embed_tokens = nn.Embedding(config["vocab_size"], proj_dim)
-        dec.embed_positions = nn.Embedding(config["max_position_embeddings"] + POSITION_OFFSET, hidden)
-        # A layer the checkpoint lacks is an nn.Identity: no parameters, the forward passes through it.
-        dec.project_in = nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else nn.Identity()
-        dec.project_out = nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else nn.Identity()
+        dec.embed_positions = nn.Embedding(
+            config["max_position_embeddings"] + POSITION_OFFSET, hidden
+        )
+        # A layer the checkpoint lacks is an nn.Identity: no parameters, the forward passes through
+        # it.
+        dec.project_in = (
+            nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else nn.Identity()
+        )
+        dec.project_out = (
+            nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else nn.Identity()
+        )
         # OPT-350m style (post-norm) checkpoints have no final norm.
-        has_norm = config.get("do_layer_norm_before", True) and not config.get("_remove_final_layer_norm")
+        has_norm = config.get("do_layer_norm_before", True) and not config.get(
+            "_remove_final_layer_norm"
+        )
         affine = config.get("layer_norm_elementwise_affine", True)
-        dec.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_norm else nn.Identity()
-        dec.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config["num_hidden_layers"]))
+        dec.final_layer_norm = (
+            nn.LayerNorm(hidden, elementwise_affine=affine) if has_norm else nn.Identity()
+        )
+        dec.layers = nn.ModuleList(
+            OPTDecoderLayer(config) for _ in range(config["num_hidden_layers"])
+        )
         self.hidden_size, self.vocab_size = proj_dim, config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
-        self.tied_weights = {"lm_head.weight": "model.decoder.embed_tokens.weight"} \
-            if config.get("tie_word_embeddings", True) else {}
+        self.tied_weights = (
+            {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+            if config.get("tie_word_embeddings", True)
+            else {}
+        )
 
     @staticmethod
     def rename(name: str) -> str:
-        # facebook/opt-* checkpoints store "decoder.*"; transformers' own save writes "model.decoder.*".
+        # facebook/opt-* checkpoints store "decoder.*"; transformers' own save writes
+        # "model.decoder.*".
         name = name.replace(".self_attn.out_proj.", ".self_attn.o_proj.")  # Attention's name for it
         return "model." + name if name.startswith("decoder.") else name
 
     def forward(self, input_ids, positions):
         dec = self.model.decoder
-        x = dec.project_in(dec.embed_tokens(input_ids)) + dec.embed_positions(positions + POSITION_OFFSET)
+        x = dec.project_in(dec.embed_tokens(input_ids)) + dec.embed_positions(
+            positions + POSITION_OFFSET
+        )
         for layer in dec.layers:
             x = layer(x)
         return dec.project_out(dec.final_layer_norm(x))

@@ -1,10 +1,11 @@
-# Dynamic speculation: the goodput chooser on synthetic numbers, and greedy equality while speculation
-# switches off and back on mid-generation (the draft model's lagging cache must catch up correctly).
+# Dynamic speculation: the goodput chooser on synthetic numbers, and greedy equality while
+# speculation switches off and back on mid-generation (the draft model's lagging cache must catch up
+# correctly).
 import pytest
-
 import tiny
-from nanospec import LLM, GoodputChooser, SamplingParams, Sequence, acceptance_estimate, interpolate
 from test_engine import GREEDY, prompts
+
+from nanospec import LLM, GoodputChooser, SamplingParams, Sequence, acceptance_estimate, interpolate
 
 
 def test_interpolate():
@@ -19,28 +20,39 @@ def test_acceptance_estimate_is_per_request_and_cautious():
     seq.reached_per_position.update([0, 0, 0, 0, 1])  # four steps reached position 0, one reached 1
     seq.accepted_per_position.update([0, 0, 0, 0])  # all four accepted it; position 1 failed
     a0 = (4 + 1) / (4 + 3)
-    assert acceptance_estimate(seq, 3) == pytest.approx([a0, 3 * a0 / 4, 3 * a0 / 4])  # 2 inherits from 1
+    # 2 inherits from 1
+    assert acceptance_estimate(seq, 3) == pytest.approx([a0, 3 * a0 / 4, 3 * a0 / 4])
 
 
 def test_chooser_turns_speculation_off_when_verification_is_expensive():
-    linear = {t: 0.01 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}  # every verified token costs the same
+    # every verified token costs the same
+    linear = {t: 0.01 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}
     chooser = GoodputChooser(8, linear, 0.0)
-    assert chooser.choose([[0.6] * 8], [0]) == [0] and chooser.choose([[0.6] * 8] * 16, [0] * 16) == [0] * 16
+    assert (
+        chooser.choose([[0.6] * 8], [0]) == [0]
+        and chooser.choose([[0.6] * 8] * 16, [0] * 16) == [0] * 16
+    )
 
 
 def test_chooser_speculates_when_verification_is_cheap_and_acceptance_high():
-    flat = {t: 0.02 + 0.0001 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}  # memory-bound: tokens nearly free
+    # memory-bound: tokens nearly free
+    flat = {t: 0.02 + 0.0001 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)}
     chooser = GoodputChooser(8, flat, 0.0)
     assert chooser.choose([[0.9] * 8], [0]) == [8]
     assert 0 < chooser.choose([[0.3] * 8], [0])[0] < 8
-    assert chooser.choose([[0.9] * 3], [0]) == [3]  # a sequence's K never exceeds its cap (its list's length)
-    # A cautious new request (prior 1/3) beside one with a proven record: the proven one drafts longer.
+    # a sequence's K never exceeds its cap (its list's length)
+    assert chooser.choose([[0.9] * 3], [0]) == [3]
+    # A cautious new request (prior 1/3) beside one with a proven record: the proven one drafts
+    # longer.
     new, proven = chooser.choose([[1 / 3] * 8, [0.9] * 8], [0, 0])
     assert 0 < new < proven
     # A batch large enough that verification becomes compute-bound makes speculation lose again.
     steep = {1: 0.02, 16: 0.03, 32: 0.06, 64: 0.12, 128: 0.24}
     chooser = GoodputChooser(8, steep, 0.0)
-    assert chooser.choose([[0.6] * 8], [0])[0] > 0 and chooser.choose([[0.6] * 8] * 64, [0] * 64) == [0] * 64
+    assert (
+        chooser.choose([[0.6] * 8], [0])[0] > 0
+        and chooser.choose([[0.6] * 8] * 64, [0] * 64) == [0] * 64
+    )
 
 
 def test_chooser_counts_draft_cost():
@@ -51,8 +63,9 @@ def test_chooser_counts_draft_cost():
 
 
 def test_real_steps_rescale_the_profile_not_one_size():
-    """Real steps carry per-sequence work the start-up profile lacks. Observed at the one size a batch
-    runs, they must raise every size's cost alike: a draft's relative cost keeps the profile's shape."""
+    """Real steps carry per-sequence work the start-up profile lacks. Observed at the one size a
+    batch runs, they must raise every size's cost alike: a draft's relative cost keeps the
+    profile's shape."""
     steep = {1: 0.02, 16: 0.03, 32: 0.06, 64: 0.12, 128: 0.24}
     chooser = GoodputChooser(8, steep, 0.0)
     for _ in range(100):
@@ -63,13 +76,16 @@ def test_real_steps_rescale_the_profile_not_one_size():
 
 
 def test_chooser_counts_attention_over_the_context():
-    """Each token of a step attends to its sequence's cached keys: a long context makes drafts dearer."""
+    """Each token of a step attends to its sequence's cached keys: a long context makes drafts
+    dearer."""
     flat = {t: 0.010 + 0.0002 * t for t in (1, 2, 4, 8, 16)}
-    chooser = GoodputChooser(8, flat, key_time=1e-6)  # 1 us per token per key: 0.6 ms per token at 600
+    # 1 us per token per key: 0.6 ms per token at 600
+    chooser = GoodputChooser(8, flat, key_time=1e-6)
     short, long = chooser.choose([[0.6] * 8], [10])[0], chooser.choose([[0.6] * 8], [600])[0]
     assert 0 < long < short
     assert chooser.step_time(5, 5 * 600, 4, 1) == pytest.approx(0.011 + 0.003)  # (drafts free here)
-    chooser.observe_verify(5, 5 * 600, 2 * 0.014)  # real steps twice the profile's: both terms scale
+    # real steps twice the profile's: both terms scale
+    chooser.observe_verify(5, 5 * 600, 2 * 0.014)
     assert chooser.verify_scale == pytest.approx(1.1)
 
 
@@ -87,12 +103,22 @@ def models(tmp_path_factory):
 def test_speculation_switches_off_and_on_keeping_greedy_output(models, draft):
     target, other, plain = models
     # Requests of different lengths: 6 run at first (> 3: no speculation), then as they finish the
-    # batch drops to 3 or fewer and speculation resumes; the draft's cache has lagged and catches up.
-    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(6)]
+    # batch drops to 3 or fewer and speculation resumes; the draft's cache has lagged and catches
+    # up.
+    params = [
+        SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True) for i in range(6)
+    ]
     expected = [o.token_ids for o in plain.generate(prompts(6), params, use_progress=False)]
     draft_arg = {"self": target, "other": other, "ngram": "ngram"}[draft]
-    llm = LLM(target, dtype="float32", block_size=2, num_blocks=256, draft=draft_arg, num_spec_tokens=3,
-              spec_disable_batch_size=3)
+    llm = LLM(
+        target,
+        dtype="float32",
+        block_size=2,
+        num_blocks=256,
+        draft=draft_arg,
+        num_spec_tokens=3,
+        spec_disable_batch_size=3,
+    )
     outs = llm.generate(prompts(6), params, use_progress=False)
     assert [o.token_ids for o in outs] == expected
     assert llm.k_histogram[0] > 1 and llm.k_histogram[3] > 0
@@ -104,7 +130,14 @@ def test_auto_k_keeps_greedy_output(models):
     target, other, plain = models
     expected = [o.token_ids for o in plain.generate(prompts(6), GREEDY, use_progress=False)]
     for draft in (target, "ngram"):
-        llm = LLM(target, dtype="float32", block_size=2, num_blocks=256, draft=draft, num_spec_tokens="auto")
+        llm = LLM(
+            target,
+            dtype="float32",
+            block_size=2,
+            num_blocks=256,
+            draft=draft,
+            num_spec_tokens="auto",
+        )
         assert llm.scheduler.chooser is not None and llm.scheduler.chooser.verify_time
         outs = llm.generate(prompts(6), GREEDY, use_progress=False)
         assert [o.token_ids for o in outs] == expected
@@ -112,40 +145,54 @@ def test_auto_k_keeps_greedy_output(models):
 
 
 def test_new_requests_try_drafts_before_the_chooser_may_refuse(models):
-    """Verification priced so high that the chooser never drafts (as a busy machine at start-up can make
-    the profile look): each request still drafts (K = 1) in its first 2 decode steps, one request a step,
-    or it would keep K = 0 for good without ever learning its acceptance. Then the chooser decides."""
+    """Verification priced so high that the chooser never drafts (as a busy machine at start-up
+    can make the profile look): each request still drafts (K = 1) in its first 2 decode steps,
+    one request a step, or it would keep K = 0 for good without ever learning its acceptance.
+    Then the chooser decides."""
     target, _, plain = models
-    llm = LLM(target, dtype="float32", block_size=2, num_blocks=256, draft="ngram", num_spec_tokens="auto")
+    llm = LLM(
+        target, dtype="float32", block_size=2, num_blocks=256, draft="ngram", num_spec_tokens="auto"
+    )
     chooser = llm.scheduler.chooser
     chooser.verify_time, chooser.key_time = {t: 0.01 * t for t in chooser.verify_time}, 0.0
-    assert chooser.choose([[1 / 3] * 8] * 3, [10] * 3) == [0] * 3  # the chooser alone would never draft
+    # the chooser alone would never draft
+    assert chooser.choose([[1 / 3] * 8] * 3, [10] * 3) == [0] * 3
     seqs = [llm.add_request(p, GREEDY) for p in prompts(3)]
     while llm.has_unfinished():
         ks = llm.scheduler.choose_k()
-        probes = 1 if any(s.num_spec_steps < 2 for s in ks) else 0  # one request a step, if any is untried
+        # one request a step, if any is untried
+        probes = 1 if any(s.num_spec_steps < 2 for s in ks) else 0
         assert sorted(ks.values()) == [0] * (len(ks) - probes) + [1] * probes
         assert all(ks[s] == 0 for s in ks if s.num_spec_steps >= 2)
         llm.step()
     assert all(seq.num_spec_steps == 2 for seq in seqs) and sum(s.num_drafted for s in seqs) > 0
-    assert [s.output_ids for s in seqs] == [o.token_ids for o in plain.generate(prompts(3), GREEDY,
-                                                                                 use_progress=False)]
+    assert [s.output_ids for s in seqs] == [
+        o.token_ids for o in plain.generate(prompts(3), GREEDY, use_progress=False)
+    ]
 
 
 def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models):
-    """Sizes up to 64 tokens are timed in three passes and the fastest kept (a burst of other work spoils
-    one pass, not the table); larger ones once. The probe's KV blocks go back to the pool."""
+    """Sizes up to 64 tokens are timed in three passes and the fastest kept (a burst of other
+    work spoils one pass, not the table); larger ones once. The probe's KV blocks go back to the
+    pool."""
     target, _, _ = models
-    llm = LLM(target, dtype="float32", block_size=2, num_blocks=512, draft="ngram", num_spec_tokens="auto")
+    llm = LLM(
+        target, dtype="float32", block_size=2, num_blocks=512, draft="ngram", num_spec_tokens="auto"
+    )
     calls, free_before = [], llm.blocks.num_free_blocks
+
     def fake_time(probe, num_tokens, start):  # pass p's time: 1 ms per token, pass 1 a burst (x10)
         calls.append((num_tokens, start))
-        return 1e-3 * num_tokens * (10 if calls.count((num_tokens, start)) == 2 else 1) + 1e-5 * start
+        return (
+            1e-3 * num_tokens * (10 if calls.count((num_tokens, start)) == 2 else 1) + 1e-5 * start
+        )
+
     llm.time_forward = fake_time
     table, key_time = llm.profile_verify(128)
     assert table == pytest.approx({t: 1e-3 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)})
     assert key_time == pytest.approx(1e-5 / 8)  # the context's extra time, per token per cached key
     assert calls.count((128, 0)) == 1 and all(calls.count((t, 0)) == 3 for t in (1, 8, 64))
-    with_context = [call for call in calls if call[1] > 0]  # 8 tokens after a cached context, every pass
+    # 8 tokens after a cached context, every pass
+    with_context = [call for call in calls if call[1] > 0]
     assert len(with_context) == 3 and len(set(with_context)) == 1 and with_context[0][0] == 8
     assert llm.blocks.num_free_blocks == free_before

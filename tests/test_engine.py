@@ -2,9 +2,9 @@
 # never changes greedy output (every proposer, K, batch size, block size, preemption), stops, seeds.
 import numpy as np
 import pytest
+import tiny
 import torch
 
-import tiny
 from nanospec import LLM, NgramProposer, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -15,8 +15,12 @@ def prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        base = torch.randint(3, tiny.VOCAB, (int(torch.randint(2, 9, (), generator=g)),), generator=g).tolist()
-        out.append(base * 3 if i % 2 else base + torch.randint(3, tiny.VOCAB, (i,), generator=g).tolist())
+        base = torch.randint(
+            3, tiny.VOCAB, (int(torch.randint(2, 9, (), generator=g)),), generator=g
+        ).tolist()
+        out.append(
+            base * 3 if i % 2 else base + torch.randint(3, tiny.VOCAB, (i,), generator=g).tolist()
+        )
     return out
 
 
@@ -31,7 +35,9 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory, target):
     small = tmp_path_factory.mktemp("draft")
-    tiny.write_checkpoint(small, tiny.llama_like(num_hidden_layers=1, hidden_size=32, intermediate_size=48), seed=1)
+    tiny.write_checkpoint(
+        small, tiny.llama_like(num_hidden_layers=1, hidden_size=32, intermediate_size=48), seed=1
+    )
     mlp = tmp_path_factory.mktemp("mlp")
     tiny.write_mlp_speculator(mlp, emb_dim=64, n_predict=8)
     return {"ngram": "ngram", "draft": str(small), "self": target[0], "mlp": f"mlp:{mlp}"}
@@ -46,8 +52,10 @@ def plain_outputs(target):
 def test_greedy_matches_transformers(target, plain_outputs):
     _, hf = target
     for p, ours in zip(prompts(10), plain_outputs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert ours == ref[0, len(p):].tolist()
+        ref = hf.generate(
+            torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert ours == ref[0, len(p) :].tolist()
 
 
 def test_greedy_with_preemption_and_chunked_prefill(target, plain_outputs):
@@ -64,12 +72,21 @@ def test_speculation_keeps_greedy_output(proposer, k, target, drafts, plain_outp
     # Block size 2 makes lookahead cross block boundaries; the small pool forces K shrinking and
     # preemption; batch 1 runs the first prompt alone, then the whole mixed batch runs together.
     for num_blocks, batch in ((256, 1), (26, 10)):
-        llm = LLM(target[0], dtype="float32", block_size=2, num_blocks=num_blocks, draft=drafts[proposer],
-                  num_spec_tokens=k)
+        llm = LLM(
+            target[0],
+            dtype="float32",
+            block_size=2,
+            num_blocks=num_blocks,
+            draft=drafts[proposer],
+            num_spec_tokens=k,
+        )
         outs = llm.generate(prompts(10)[:batch], GREEDY, use_progress=False)
         assert [o.token_ids for o in outs] == plain_outputs[:batch]
         assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
-        drafted, accepted = sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)
+        drafted, accepted = (
+            sum(o.num_draft_tokens for o in outs),
+            sum(o.num_accepted_tokens for o in outs),
+        )
         assert drafted > 0
         if proposer == "self":  # the target drafting for itself must be accepted every time
             assert accepted == drafted
@@ -79,7 +96,8 @@ def test_speculation_keeps_greedy_output(proposer, k, target, drafts, plain_outp
 
 def test_ngram_lookup_takes_longest_suffix_first_occurrence():
     proposer = NgramProposer(1, 3)
-    # The suffix "4 2" occurs at 0 and at 4: the first occurrence's continuation is proposed, up to k.
+    # The suffix "4 2" occurs at 0 and at 4: the first occurrence's continuation is proposed, up to
+    # k.
     lookup = lambda tokens, k: proposer.tree(np.array(tokens), k, k, 1)[0]  # noqa: E731  (a chain)
     assert lookup([4, 2, 9, 9, 4, 2, 7, 4, 2], 3) == [9, 9, 4]
     # A longer match wins over an earlier shorter one: "8 4 2" only at 3 (plain "4 2" first at 0).
@@ -90,9 +108,18 @@ def test_ngram_lookup_takes_longest_suffix_first_occurrence():
 
 
 def test_mixed_per_request_k(target, drafts, plain_outputs):
-    llm = LLM(target[0], dtype="float32", block_size=2, num_blocks=64, draft=drafts["draft"], num_spec_tokens=3)
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_spec_tokens=i % 5)
-              for i in range(10)]
+    llm = LLM(
+        target[0],
+        dtype="float32",
+        block_size=2,
+        num_blocks=64,
+        draft=drafts["draft"],
+        num_spec_tokens=3,
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, num_spec_tokens=i % 5)
+        for i in range(10)
+    ]
     outs = llm.generate(prompts(10), params, use_progress=False)
     assert [o.token_ids for o in outs] == plain_outputs
     assert outs[0].num_draft_tokens == 0 and outs[4].num_draft_tokens > 0
@@ -100,44 +127,77 @@ def test_mixed_per_request_k(target, drafts, plain_outputs):
 
 def test_seed_gives_same_text_with_or_without_batch_partners(target):
     llm = LLM(target[0], dtype="float32", block_size=4, num_blocks=128)
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=16, seed=1234, ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=20, max_tokens=16, seed=1234, ignore_eos=True
+    )
     alone = llm.generate([prompts(3)[0]], params, use_progress=False)[0].token_ids
     others = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
     together = llm.generate(prompts(3), [params, others, others], use_progress=False)[0].token_ids
     assert alone == together
-    different_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=16, seed=99, ignore_eos=True)
+    different_seed = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=20, max_tokens=16, seed=99, ignore_eos=True
+    )
     assert llm.generate([prompts(3)[0]], different_seed, use_progress=False)[0].token_ids != alone
 
 
 def test_text_prompt_and_stop_string(target):
     llm = LLM(target[0], dtype="float32", block_size=4, num_blocks=128)
-    full = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                        use_progress=False)[0]
+    full = llm.generate(
+        "hello world",
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        use_progress=False,
+    )[0]
     assert len(full.token_ids) == 30 and full.finish_reason == "length"
     stop = full.text[5:7]
-    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
-                       use_progress=False)[0]
+    out = llm.generate(
+        "hello world",
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+        use_progress=False,
+    )[0]
     assert out.finish_reason == "stop"
-    assert out.text == full.text[:full.text.find(stop)]
-    assert full.token_ids[:len(out.token_ids)] == out.token_ids
+    assert out.text == full.text[: full.text.find(stop)]
+    assert full.token_ids[: len(out.token_ids)] == out.token_ids
 
 
 @pytest.mark.parametrize("draft_k", [("none", 0), ("self", 4)])
 def test_stops_inside_multi_token_accept(target, drafts, plain_outputs, draft_k):
-    """A stop token or max_tokens reached in the middle of an accepted run ends the output exactly there."""
+    """A stop token or max_tokens reached in the middle of an accepted run ends the output
+    exactly there."""
     draft, k = draft_k
-    llm = LLM(target[0], dtype="float32", block_size=2, num_blocks=128, draft=drafts.get(draft), num_spec_tokens=k)
+    llm = LLM(
+        target[0],
+        dtype="float32",
+        block_size=2,
+        num_blocks=128,
+        draft=drafts.get(draft),
+        num_spec_tokens=k,
+    )
     expected = plain_outputs[1]
     stop_id = expected[7]
-    out = llm.generate([prompts(10)[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                        stop_token_ids=[stop_id]), use_progress=False)[0]
-    assert out.token_ids == expected[:expected.index(stop_id) + 1] and out.finish_reason == "stop"
-    out = llm.generate([prompts(10)[1]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-                       use_progress=False)[0]
+    out = llm.generate(
+        [prompts(10)[1]],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_progress=False,
+    )[0]
+    assert out.token_ids == expected[: expected.index(stop_id) + 1] and out.finish_reason == "stop"
+    out = llm.generate(
+        [prompts(10)[1]],
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        use_progress=False,
+    )[0]
     assert out.token_ids == expected[:5] and out.finish_reason == "length"
-    eos = LLM(target[0], dtype="float32", block_size=2, num_blocks=128, draft=drafts.get(draft), num_spec_tokens=k)
+    eos = LLM(
+        target[0],
+        dtype="float32",
+        block_size=2,
+        num_blocks=128,
+        draft=drafts.get(draft),
+        num_spec_tokens=k,
+    )
     eos.eos_ids = {stop_id}
-    out = eos.generate([prompts(10)[1]], SamplingParams(temperature=0, max_tokens=24), use_progress=False)[0]
+    out = eos.generate(
+        [prompts(10)[1]], SamplingParams(temperature=0, max_tokens=24), use_progress=False
+    )[0]
     assert out.token_ids[-1] == stop_id and len(out.token_ids) == expected.index(stop_id) + 1
 
 
@@ -158,12 +218,22 @@ def test_abort_frees_blocks(target):
 def test_acceptance_per_position_pools_requests(target, drafts):
     """The run-level rate weights each request by how many tokens it drafted at that position."""
     from nanospec import spec_metrics
-    llm = LLM(target[0], dtype="float32", block_size=4, num_blocks=128, draft=drafts["ngram"], num_spec_tokens=3)
+
+    llm = LLM(
+        target[0],
+        dtype="float32",
+        block_size=4,
+        num_blocks=128,
+        draft=drafts["ngram"],
+        num_spec_tokens=3,
+    )
     outs = llm.generate(prompts(6), GREEDY, use_progress=False)
     pooled = spec_metrics(outs)["acceptance_per_position"]
     for pos, rate in enumerate(pooled):
         drafted = sum(o.drafted_per_position.get(pos, 0) for o in outs)
-        accepted = sum(o.accepted_per_position.get(pos, 0) * o.drafted_per_position.get(pos, 0) for o in outs)
+        accepted = sum(
+            o.accepted_per_position.get(pos, 0) * o.drafted_per_position.get(pos, 0) for o in outs
+        )
         assert rate == pytest.approx(accepted / drafted)
     steps = sum(o.num_spec_steps for o in outs)
     assert pooled and sum(o.drafted_per_position.get(0, 0) for o in outs) <= steps
@@ -171,13 +241,18 @@ def test_acceptance_per_position_pools_requests(target, drafts):
 
 @pytest.mark.parametrize("draft", ["none", "ngram", "self"])
 def test_bf16_c_kernels_give_the_torch_paths_greedy_output(target, drafts, monkeypatch, draft):
-    """In bf16 on the CPU the engine runs cpu_kernels.c's RMSNorm, rotary and decode attention; greedy
-    tokens must equal the torch path's, with and without speculation, with preemption and chunked prefill."""
+    """In bf16 on the CPU the engine runs cpu_kernels.c's RMSNorm, rotary and decode attention;
+    greedy tokens must equal the torch path's, with and without speculation, with preemption and
+    chunked prefill."""
     import kernels
+
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     spec = {} if draft == "none" else dict(draft=drafts[draft], num_spec_tokens=3)
-    make = lambda: LLM(target[0], dtype="bfloat16", block_size=4, num_blocks=40, max_num_batched_tokens=24, **spec)  # noqa: E731
+    # noqa: E731
+    make = lambda: LLM(
+        target[0], dtype="bfloat16", block_size=4, num_blocks=40, max_num_batched_tokens=24, **spec
+    )
     with_c = [o.token_ids for o in make().generate(prompts(8), GREEDY, use_progress=False)]
     monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
     without_c = [o.token_ids for o in make().generate(prompts(8), GREEDY, use_progress=False)]

@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny
 import torch
 from safetensors.torch import load_file, save_file
 
-import tiny
 from nanospec import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,14 +40,19 @@ def test_bad_model_folders(folder, tmp_path):
         LLM(str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         LLM(str(tmp_path))
-    arch = copy_folder(folder, tmp_path / "arch", lambda c: c.update(architectures=["GPTNeoXForCausalLM"]))
+    arch = copy_folder(
+        folder, tmp_path / "arch", lambda c: c.update(architectures=["GPTNeoXForCausalLM"])
+    )
     with pytest.raises(ValueError, match="unsupported architecture.*GPTNeoX"):
         LLM(arch)
     field = copy_folder(folder, tmp_path / "field", lambda c: c.pop("hidden_size"))
     with pytest.raises(ValueError, match="missing field 'hidden_size'"):
         LLM(field)
-    missing = copy_folder(folder, tmp_path / "missing_tensor",
-                          edit_tensors=lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    missing = copy_folder(
+        folder,
+        tmp_path / "missing_tensor",
+        edit_tensors=lambda t: t.pop("model.layers.1.mlp.down_proj.weight"),
+    )
     with pytest.raises(ValueError, match="missing tensor 'model.layers.1.mlp.down_proj.weight'"):
         LLM(missing)
     shape = copy_folder(folder, tmp_path / "shape", lambda c: c.update(intermediate_size=80))
@@ -67,8 +72,18 @@ def test_bad_model_folders(folder, tmp_path):
         LLM(str(folder), dtype="float8")
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-                                          ("max_tokens", 0), ("stop", [""]), ("num_spec_tokens", -2)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("max_tokens", 0),
+        ("stop", [""]),
+        ("num_spec_tokens", -2),
+    ],
+)
 def test_impossible_sampling_params(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
@@ -88,7 +103,9 @@ def test_bad_requests_leave_engine_clean(folder):
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["text"], good)
     assert not llm.has_unfinished() and llm.blocks.num_free_blocks == 8
-    reference = LLM(str(folder), dtype="float32", block_size=4, num_blocks=8).generate([[5, 6]], good)
+    reference = LLM(str(folder), dtype="float32", block_size=4, num_blocks=8).generate(
+        [[5, 6]], good
+    )
     assert llm.generate([[5, 6]], good)[0].token_ids == reference[0].token_ids
 
 
@@ -103,10 +120,17 @@ def test_bad_spec_configs(folder, tmp_path):
     with pytest.raises(ValueError, match="exceeds the speculator's n_predict 2"):
         LLM(str(folder), draft=f"mlp:{tmp_path / 'mlp'}", num_spec_tokens=3)
     llm = LLM(str(folder), draft=f"mlp:{tmp_path / 'mlp'}", num_spec_tokens=2, num_blocks=16)
-    out = llm.generate([[5, 6]], SamplingParams(num_spec_tokens=3, max_tokens=4), use_progress=False)[0]
+    out = llm.generate(
+        [[5, 6]], SamplingParams(num_spec_tokens=3, max_tokens=4), use_progress=False
+    )[0]
     assert out.num_draft_tokens <= 2 * out.num_spec_steps  # a request's K is capped by the engine's
-    save_file({"token_ids": torch.tensor([1, 2, tiny.VOCAB])}, tmp_path / "mlp" / "draft_vocab.safetensors")
-    with pytest.raises(ValueError, match=r"draft_vocab.safetensors: 'token_ids' must be distinct ids in \[0, "):
+    save_file(
+        {"token_ids": torch.tensor([1, 2, tiny.VOCAB])},
+        tmp_path / "mlp" / "draft_vocab.safetensors",
+    )
+    with pytest.raises(
+        ValueError, match=r"draft_vocab.safetensors: 'token_ids' must be distinct ids in \[0, "
+    ):
         LLM(str(folder), draft=f"mlp:{tmp_path / 'mlp'}", num_spec_tokens=2)
     tiny.write_mlp_speculator(tmp_path / "mlp_wide", emb_dim=32, n_predict=2)
     with pytest.raises(ValueError, match="does not fit the target"):
@@ -115,18 +139,23 @@ def test_bad_spec_configs(folder, tmp_path):
         LLM(str(folder), draft="ngram", num_spec_tokens=2, ngram_min=3, ngram_max=2)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "/no/such/model"], "is not a directory"),
-    (["--temperature", "-1"], "SamplingParams.temperature"),
-    (["--max-tokens", "0"], "SamplingParams.max_tokens"),
-    (["--max-model-len", "4", "--prompt", "a long prompt here"], "but the context is 4"),
-    (["--block-size", "0"], "block_size must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/no/such/model"], "is not a directory"),
+        (["--temperature", "-1"], "SamplingParams.temperature"),
+        (["--max-tokens", "0"], "SamplingParams.max_tokens"),
+        (["--max-model-len", "4", "--prompt", "a long prompt here"], "but the context is 4"),
+        (["--block-size", "0"], "block_size must be >= 1"),
+    ],
+)
 def test_cli_errors_are_one_line(folder, args, message):
     if "--model" not in args:
         args = ["--model", str(folder)] + args
         tiny.write_char_tokenizer(folder)
-    result = subprocess.run([sys.executable, str(ROOT / "nanospec.py"), *args], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "nanospec.py"), *args], capture_output=True, text=True
+    )
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

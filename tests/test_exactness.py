@@ -1,15 +1,16 @@
-# Row invariance, op by op: a row (or a query) computed in a call of any size gives the same bits, for
-# every implementation this machine can run (the C kernels for each ISA it can execute, the torch
-# references, Triton in the interpreter at fp32/fp16). This is what makes speculative output equal plain
-# decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to end.
+# Row invariance, op by op: a row (or a query) computed in a call of any size gives the same bits,
+# for every implementation this machine can run (the C kernels for each ISA it can execute, the
+# torch references, Triton in the interpreter at fp32/fp16). This is what makes speculative output
+# equal plain decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to
+# end.
 import functools
 from unittest import mock
 
 import pytest
 import torch
+from test_kernels import make_paged_batch
 
 import kernels
-from test_kernels import make_paged_batch
 
 ROW_COUNTS = [1, 2, 5, 9, 33, 300]
 ISAS = ["avx512bf16", "avx512", "avx2", "generic"]
@@ -22,7 +23,8 @@ def c_isa(request, monkeypatch):
     if ISAS.index(request.param) < ISAS.index(have):
         pytest.skip(f"this CPU runs {have}, not {request.param}")
     monkeypatch.setenv("NANOSPEC_ISA", request.param)
-    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))  # a rebuild
+    # a rebuild
+    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     yield request.param  # then monkeypatch restores the build for this CPU
@@ -30,41 +32,60 @@ def c_isa(request, monkeypatch):
 
 def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
     """op(x[:m]) must hold op(x)'s first m rows bit for bit, for every m."""
-    full = op(x[:max(counts)])
+    full = op(x[: max(counts)])
     for m in counts:
         part = op(x[:m].clone())
         assert torch.equal(part, full[:m]), f"rows differ when the call has {m} rows"
 
 
-@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                             (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "bf16-w"])
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+    ids=["fp32", "bf16", "bf16-w"],
+)
 @pytest.mark.parametrize("n,k", [(576, 576), (96, 1536), (37, 21)])
 def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     weight, bias = (0.05 * torch.randn(n, k)).to(w_dtype), torch.randn(n).to(x_dtype)
     packed = kernels.pack_weight(weight)
-    assert_rows_invariant(lambda x: kernels.c_linear(x, packed, bias, n), torch.randn(300, k).to(x_dtype))
+    assert_rows_invariant(
+        lambda x: kernels.c_linear(x, packed, bias, n), torch.randn(300, k).to(x_dtype)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_torch_linear_rows_are_invariant(dtype):
     weight, bias = (0.05 * torch.randn(160, 576)).to(dtype), torch.randn(160).to(dtype)
-    assert_rows_invariant(lambda x: kernels.torch_linear(x, weight, bias), torch.randn(300, 576).to(dtype),
-                          counts=[1, 2, 5, 9, 33])
+    assert_rows_invariant(
+        lambda x: kernels.torch_linear(x, weight, bias),
+        torch.randn(300, 576).to(dtype),
+        counts=[1, 2, 5, 9, 33],
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_triton_linear_rows_are_invariant(dtype):
-    """Bitwise in the interpreter too: its tl.dot is numpy's BLAS on the whole fixed-shape tile, which
-    catches a K order that changes with M (BLOCK_K or a split chosen by M). It misses a BLOCK_M chosen by
-    M (numpy's rows do not depend on the tile's height; MMA instructions may), so the launches the
-    wrapper makes for every M are also checked to be one and the same."""
+    """Bitwise in the interpreter too: its tl.dot is numpy's BLAS on the whole fixed-shape tile,
+    which catches a K order that changes with M (BLOCK_K or a split chosen by M). It misses a
+    BLOCK_M chosen by M (numpy's rows do not depend on the tile's height; MMA instructions may),
+    so the launches the wrapper makes for every M are also checked to be one and the same."""
     weight, bias = (0.05 * torch.randn(160, 576)).to(dtype), torch.randn(160).to(dtype)
-    assert_rows_invariant(lambda x: kernels.triton_linear(x, weight, bias), torch.randn(300, 576).to(dtype))
+    assert_rows_invariant(
+        lambda x: kernels.triton_linear(x, weight, bias), torch.randn(300, 576).to(dtype)
+    )
     launches = []
-    record = lambda kernel, grid, args, num_warps, **c: launches.append(dict(c, num_warps=num_warps))  # noqa: E731
+    # noqa: E731
+    record = lambda kernel, grid, args, num_warps, **c: launches.append(
+        dict(c, num_warps=num_warps)
+    )
     with mock.patch.object(kernels, "_launch", record):
         for m in ROW_COUNTS:
-            kernels.triton_linear(torch.empty(m, 576, dtype=dtype, device="meta"), weight.to("meta"))
+            kernels.triton_linear(
+                torch.empty(m, 576, dtype=dtype, device="meta"), weight.to("meta")
+            )
     assert all(options == launches[0] for options in launches)
 
 
@@ -73,13 +94,19 @@ def test_plain_f_linear_is_not_row_invariant():
     (If this ever fails, torch became row-invariant and the test can go; the others still hold.)"""
     weight, x = 0.05 * torch.randn(1536, 576), torch.randn(9, 576)
     full = torch.nn.functional.linear(x, weight)
-    assert any(not torch.equal(torch.nn.functional.linear(x[:m], weight), full[:m]) for m in (1, 2, 4))
+    assert any(
+        not torch.equal(torch.nn.functional.linear(x[:m], weight), full[:m]) for m in (1, 2, 4)
+    )
 
 
 def test_use_linears_packs_a_shared_weight_once():
     model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Linear(40, 24, bias=False))
     model[1].weight = model[0].weight  # tied, like an lm_head and its embedding
-    weight, bias, x = model[0].weight.detach().clone(), model[0].bias.detach().clone(), torch.randn(5, 40)
+    weight, bias, x = (
+        model[0].weight.detach().clone(),
+        model[0].bias.detach().clone(),
+        torch.randn(5, 40),
+    )
     kernels.use_linears(model)
     if kernels.cpu_kernels() is not None:
         assert model[0].packed is model[1].packed and model[0].weight is None
@@ -87,16 +114,22 @@ def test_use_linears_packs_a_shared_weight_once():
     torch.testing.assert_close(model[1](x), torch.nn.functional.linear(x, weight))
 
 
-# A query at a given position: decoded alone, verified among 5, in a prefill chunk of 20, in a whole prompt.
-# Sequence 0 is always the one whose last query sits at position 44 (context 45).
-ATTENTION_STEPS = {"decode": [(45, 1)], "verify": [(45, 5), (30, 5)], "chunk": [(45, 20), (12, 1)],
-                   "prompt": [(45, 45), (60, 3), (8, 8)]}
+# A query at a given position: decoded alone, verified among 5, in a prefill chunk of 20, in a whole
+# prompt. Sequence 0 is always the one whose last query sits at position 44 (context 45).
+ATTENTION_STEPS = {
+    "decode": [(45, 1)],
+    "verify": [(45, 5), (30, 5)],
+    "chunk": [(45, 20), (12, 1)],
+    "prompt": [(45, 45), (60, 3), (8, 8)],
+}
 
 
 def attention_of_position_44(fn, dtype, block_size):
     """The output row of the query at position 44 of one fixed sequence, in each kind of step."""
     torch.manual_seed(7)  # the same cache, tables and query rows in every step
-    base = make_paged_batch([(45, 45), (60, 60), (30, 30), (12, 12), (8, 8)], block_size, 6, 2, 16, dtype)
+    base = make_paged_batch(
+        [(45, 45), (60, 60), (30, 30), (12, 12), (8, 8)], block_size, 6, 2, 16, dtype
+    )
     q_all, k_cache, v_cache, block_tables, *_ = base
     rows = {}
     for name, seqs in ATTENTION_STEPS.items():
@@ -106,9 +139,15 @@ def attention_of_position_44(fn, dtype, block_size):
         starts = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
         # query j of step sequence b is the query row its position has in the whole-prompt layout
         offsets = [0, 45, 105, 135, 147]
-        q = torch.cat([q_all[offsets[s] + context - q_len:offsets[s] + context]
-                       for s, (context, q_len) in zip(index, seqs)])
-        out = fn(q, k_cache, v_cache, block_tables[index], seq_lens, starts, 0.25, int(q_lens.max()))
+        q = torch.cat(
+            [
+                q_all[offsets[s] + context - q_len : offsets[s] + context]
+                for s, (context, q_len) in zip(index, seqs)
+            ]
+        )
+        out = fn(
+            q, k_cache, v_cache, block_tables[index], seq_lens, starts, 0.25, int(q_lens.max())
+        )
         rows[name] = out[int(starts[1]) - 1]  # the last query of the first sequence: position 44
     return rows
 
@@ -122,14 +161,17 @@ def check_attention(fn, dtype, block_size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_c_attention_query_is_invariant(c_isa, dtype, block_size):
-    """Also across thread counts: the kernel splits a few queries into smaller blocks for more threads."""
+    """Also across thread counts: the kernel splits a few queries into smaller blocks for more
+    threads."""
     threads = torch.get_num_threads()
     try:
         rows = []
         for n in (1, 2, 8):
             torch.set_num_threads(n)
             check_attention(kernels.c_paged_attention, dtype, block_size)
-            rows.append(attention_of_position_44(kernels.c_paged_attention, dtype, block_size)["verify"])
+            rows.append(
+                attention_of_position_44(kernels.c_paged_attention, dtype, block_size)["verify"]
+            )
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(row, rows[0]) for row in rows)
@@ -140,15 +182,20 @@ def test_torch_attention_query_is_invariant(dtype):
     check_attention(kernels.torch_paged_attention, dtype, 4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's tl.dot is numpy's BLAS, whose "
-                    "result for a tile row depends on the row's place in the tile (GPU mma rows do not)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="the interpreter's tl.dot is numpy's BLAS, whose "
+    "result for a tile row depends on the row's place in the tile (GPU mma rows do not)",
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_triton_attention_query_is_invariant(dtype):
     check_attention(kernels.triton_paged_attention, dtype, 4)
 
 
 @pytest.mark.parametrize("impl", ["c", "torch", "triton"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
 def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
     if impl == "c" and (dtype != torch.bfloat16 or kernels.cpu_kernels() is None):
         pytest.skip("the C RMSNorm and rotary are bf16 kernels")
@@ -161,42 +208,52 @@ def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
     x, weight = torch.randn(300, 96).to(dtype), (1 + 0.1 * torch.randn(96)).to(dtype)
     counts = ROW_COUNTS if impl != "triton" else [1, 2, 5, 9, 33]  # the interpreter is slow
     assert_rows_invariant(lambda rows: ops["rms_norm"](rows, weight, 1e-6), x, counts)
-    assert_rows_invariant(lambda rows: ops["rms_norm"](rows, weight, 1e-6, rows.flip(1))[0], x, counts)
+    assert_rows_invariant(
+        lambda rows: ops["rms_norm"](rows, weight, 1e-6, rows.flip(1))[0], x, counts
+    )
     cos_sin = torch.randn(300, 16).to(dtype)
     if ops["rotary"] is not None:  # Triton has no elementwise kernels, C no silu_mul
-        assert_rows_invariant(lambda rows: ops["rotary"](rows.view(-1, 6, 16), cos_sin[:len(rows)]), x, counts)
+        assert_rows_invariant(
+            lambda rows: ops["rotary"](rows.view(-1, 6, 16), cos_sin[: len(rows)]), x, counts
+        )
     if ops["silu_mul"] is not None:
         assert_rows_invariant(ops["silu_mul"], x, counts)
 
 
-# Tree verification: a draft node's query sees the cache and its ancestors, and must give the bits plain
-# decoding of its path gives. Sequence 0: 30 cached positions, its last token at 30 and a 6-node tree in
-# positions 31..36; sequence 1 beside it is an ordinary 3-query chunk.
+# Tree verification: a draft node's query sees the cache and its ancestors, and must give the bits
+# plain decoding of its path gives. Sequence 0: 30 cached positions, its last token at 30 and a
+# 6-node tree in positions 31..36; sequence 1 beside it is an ordinary 3-query chunk.
 TREE_PARENTS = [-1, 0, 0, -1, 2, 4]  # depths 1, 2, 2, 1, 3, 4
 
 
 def tree_step(block_size, dtype):
     from nanospec import tree_layout
+
     torch.manual_seed(3)
-    q, k_cache, v_cache, block_tables, *_ = make_paged_batch([(37, 7), (12, 3)], block_size, 6, 2, 16, dtype)
+    q, k_cache, v_cache, block_tables, *_ = make_paged_batch(
+        [(37, 7), (12, 3)], block_size, 6, 2, 16, dtype
+    )
     seq_lens, starts = torch.tensor([37, 12]), torch.tensor([0, 7, 10])
-    positions, keys, paths = tree_layout([(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []])
+    positions, keys, paths = tree_layout(
+        [(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []]
+    )
     tree = positions, keys
     return (q, k_cache, v_cache, block_tables, seq_lens, starts, 0.25, 7), tree, paths
 
 
 def chain_reference(fn, args, paths):
-    """Each tree query decoded alone, its path's K/V copied into the positions after the root; then the
-    ordinary sequence alone."""
+    """Each tree query decoded alone, its path's K/V copied into the positions after the root;
+    then the ordinary sequence alone."""
     q, k_cache, v_cache, block_tables, *_ = args
     block_size, rows = k_cache.shape[1], {}
     for t, path in paths.items():
         k, v = k_cache.clone(), v_cache.clone()
-        slot = lambda p: int(block_tables[0, p // block_size]) * block_size + p % block_size  # noqa: E731
+        # noqa: E731
+        slot = lambda p: int(block_tables[0, p // block_size]) * block_size + p % block_size
         for depth, p in enumerate(path):
             for chain, cache in ((k, k_cache), (v, v_cache)):
                 chain.flatten(0, 1)[slot(30 + depth)] = cache.flatten(0, 1)[slot(p)]
-        rows[t] = alone(fn, q[t:t + 1], k, v, block_tables[:1], 30 + len(path))[0]
+        rows[t] = alone(fn, q[t : t + 1], k, v, block_tables[:1], 30 + len(path))[0]
     rows[0] = alone(fn, q[:1], k_cache, v_cache, block_tables[:1], 31)[0]
     return rows, alone(fn, q[7:], k_cache, v_cache, block_tables[1:], 12)
 
@@ -231,6 +288,9 @@ def test_torch_tree_attention_equals_chain(dtype):
 def test_triton_tree_attention_matches_torch(block_size):
     args, tree, _ = tree_step(block_size, torch.float32)
     want = kernels.torch_paged_attention(*args, *tree)
-    torch.testing.assert_close(kernels.triton_paged_attention(*args, *tree), want, atol=1e-5, rtol=1e-5)
-    if torch.cuda.is_available():  # GPU mma rows are row-invariant: the C and torch tests' bitwise check
+    torch.testing.assert_close(
+        kernels.triton_paged_attention(*args, *tree), want, atol=1e-5, rtol=1e-5
+    )
+    # GPU mma rows are row-invariant: the C and torch tests' bitwise check
+    if torch.cuda.is_available():
         check_tree_attention(kernels.triton_paged_attention, torch.float32, block_size)

@@ -14,12 +14,20 @@ import torch.nn.functional as F
 import kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="bf16 Triton needs CUDA: the interpreter mishandles bfloat16")
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
-          pytest.param(torch.bfloat16, id="bf16", marks=needs_cuda)]
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-             torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="bf16 Triton needs CUDA: the interpreter mishandles bfloat16",
+)
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=needs_cuda),
+]
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +45,7 @@ def _nan_filled(make):
     def make_poisoned(*args, **kwargs):
         t = make(*args, **kwargs)
         return t.fill_(float("nan")) if t.is_floating_point() else t
+
     return make_poisoned
 
 
@@ -44,8 +53,10 @@ def _nan_filled(make):
 def nan_filled_outputs():
     """Inside, torch.empty(_like) return NaN-filled float tensors: an output element a kernel never
     writes shows up as NaN instead of as whatever the allocator left there."""
-    with mock.patch.object(torch, "empty", _nan_filled(torch.empty)), \
-            mock.patch.object(torch, "empty_like", _nan_filled(torch.empty_like)):
+    with (
+        mock.patch.object(torch, "empty", _nan_filled(torch.empty)),
+        mock.patch.object(torch, "empty_like", _nan_filled(torch.empty_like)),
+    ):
         yield
 
 
@@ -59,9 +70,14 @@ def assert_triton_matches_torch(op, *args, dtype):
 def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
     """q, k, v as the model makes them: non-contiguous views into one fused projection output."""
     qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
-    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-            v.view(num_tokens, num_kv_heads, head_dim))
+    q, k, v = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
+    )
+    return (
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,7 +85,8 @@ def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_store_kv(block_size):
-    """Slot s is offset s % block_size of block s // block_size; every other slot keeps its value."""
+    """Slot s is offset s % block_size of block s // block_size; every other slot keeps its
+    value."""
     num_tokens, num_blocks, num_kv_heads, head_dim = 9, 12, 2, 16
     _, k, v = qkv_views(num_tokens, 1, num_kv_heads, head_dim, torch.float32)
     slot_mapping = torch.randperm(num_blocks * block_size)[:num_tokens]
@@ -99,23 +116,40 @@ def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype)
     blocks_per_seq = [-(-context // block_size) for context, _ in seqs]
     num_blocks = sum(blocks_per_seq) + 3
     block_ids = torch.randperm(num_blocks, device=DEVICE).int().split(blocks_per_seq + [3])
-    block_tables = torch.full((len(seqs), max(blocks_per_seq) + 2), -1, dtype=torch.int32,
-                              device=DEVICE)
+    block_tables = torch.full(
+        (len(seqs), max(blocks_per_seq) + 2), -1, dtype=torch.int32, device=DEVICE
+    )
     for b, ids in enumerate(block_ids[:-1]):
-        block_tables[b, :len(ids)] = ids
+        block_tables[b, : len(ids)] = ids
     k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     seq_lens = torch.tensor([context for context, _ in seqs], device=DEVICE)
     q_lens = torch.tensor([q_len for _, q_len in seqs], device=DEVICE)
     query_start_loc = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
     q, _, _ = qkv_views(int(q_lens.sum()), num_heads, num_kv_heads, head_dim, dtype)
-    return q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, head_dim ** -0.5, int(q_lens.max())
+    return (
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        head_dim**-0.5,
+        int(q_lens.max()),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [  # GQA ratios 1, 3, 4, 8
-    (2, 2, 16), (6, 2, 64), (4, 1, 128), (8, 1, 64)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [  # GQA ratios 1, 3, 4, 8
+        (2, 2, 16),
+        (6, 2, 64),
+        (4, 1, 128),
+        (8, 1, 64),
+    ],
+)
 @pytest.mark.parametrize("batch", BATCHES)
 def test_paged_attention(batch, block_size, num_heads, num_kv_heads, head_dim, dtype):
     args = make_paged_batch(BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype)
@@ -131,8 +165,10 @@ def test_paged_attention_empty_batch():
 # linear: fixed tiles (fp32 32x64x32, else 64x64x64); the shapes end mid-tile in every dimension
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("lead,n,k", [((1,), 16, 16), ((5,), 37, 20), ((70,), 80, 72), ((2, 35), 131, 100),
-                                      ((0,), 16, 8)])
+@pytest.mark.parametrize(
+    "lead,n,k",
+    [((1,), 16, 16), ((5,), 37, 20), ((70,), 80, 72), ((2, 35), 131, 100), ((0,), 16, 8)],
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear(lead, n, k, bias, dtype):
     x = randn(*lead, k + 3, dtype=dtype)[..., :k]  # rows with a stride, as a view of a wider output
@@ -151,7 +187,7 @@ def test_linear(lead, n, k, bias, dtype):
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("shape", [(1, 48), (7, 100), (2, 3, 576)])
 def test_rms_norm(shape, with_residual, dtype):
-    x = randn(*shape[:-1], shape[-1] + 5, dtype=dtype)[..., :shape[-1]]  # rows with a stride
+    x = randn(*shape[:-1], shape[-1] + 5, dtype=dtype)[..., : shape[-1]]  # rows with a stride
     weight = (1 + 0.1 * randn(shape[-1])).to(dtype)
     residual = randn(*shape, dtype=dtype) if with_residual else None
     assert_triton_matches_torch("rms_norm", x, weight, 1e-6, residual, dtype=dtype)
@@ -166,23 +202,33 @@ def rope_cache(max_positions, head_dim, base=10000.0):
 # --------------------------------------------------------------------------------------------
 # C kernels (cpu_kernels.c, bf16 on the CPU) against the torch references they replace
 # --------------------------------------------------------------------------------------------
-needs_c_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None,
-                                     reason="cpu_kernels.c did not build here (no C compiler?)")
+needs_c_kernels = pytest.mark.skipif(
+    kernels.cpu_kernels() is None, reason="cpu_kernels.c did not build here (no C compiler?)"
+)
 
 
 def rebuild_cpu_kernels(monkeypatch):
-    """The next cpu_kernels() builds (or finds) and loads the library again, for this test's environment;
-    monkeypatch restores the cached one afterwards."""
+    """The next cpu_kernels() builds (or finds) and loads the library again, for this test's
+    environment; monkeypatch restores the cached one afterwards."""
     monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
 
 
 @needs_c_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [  # GQA ratios 1, 3, 4, 8
-    (2, 2, 32), (9, 3, 64), (4, 1, 128), (8, 1, 16)])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [  # GQA ratios 1, 3, 4, 8
+        (2, 2, 32),
+        (9, 3, 64),
+        (4, 1, 128),
+        (8, 1, 16),
+    ],
+)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_c_paged_attention_matches_torch(batch, block_size, num_heads, num_kv_heads, head_dim, dtype):
+def test_c_paged_attention_matches_torch(
+    batch, block_size, num_heads, num_kv_heads, head_dim, dtype
+):
     """One C kernel for every query shape: prefill chunks, whole prompts, decode, verification."""
     args = make_paged_batch(BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype)
     with nan_filled_outputs():
@@ -191,9 +237,18 @@ def test_c_paged_attention_matches_torch(batch, block_size, num_heads, num_kv_he
 
 
 @needs_c_kernels
-@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                             (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "bf16-w"])
-@pytest.mark.parametrize("rows,n,k", [(1, 37, 20), (5, 40, 33), (7, 96, 64), (300, 160, 576), (0, 16, 8)])
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+    ids=["fp32", "bf16", "bf16-w"],
+)
+@pytest.mark.parametrize(
+    "rows,n,k", [(1, 37, 20), (5, 40, 33), (7, 96, 64), (300, 160, 576), (0, 16, 8)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_c_linear_matches_f_linear(rows, n, k, bias, x_dtype, w_dtype):
     weight = (0.1 * torch.randn(n, k)).to(w_dtype)
@@ -209,13 +264,18 @@ def test_c_linear_matches_f_linear(rows, n, k, bias, x_dtype, w_dtype):
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("shape", [(1, 576), (7, 100), (2, 3, 48), (300, 64), (0, 32)])
 def test_c_rms_norm_matches_torch_roundings(shape, with_residual):
-    x = (3 * torch.randn(*shape[:-1], shape[-1] + 5))[..., :shape[-1]].bfloat16()  # rows with a stride
+    # rows with a stride
+    x = (3 * torch.randn(*shape[:-1], shape[-1] + 5))[..., : shape[-1]].bfloat16()
     weight = (1 + 0.1 * torch.randn(shape[-1])).bfloat16()
     residual = torch.randn(*shape).bfloat16() if with_residual else None
-    expected, got = kernels.torch_rms_norm(x, weight, 1e-6, residual), kernels.c_rms_norm(x, weight, 1e-6, residual)
+    expected, got = (
+        kernels.torch_rms_norm(x, weight, 1e-6, residual),
+        kernels.c_rms_norm(x, weight, 1e-6, residual),
+    )
     for e, g in zip(*((expected, got) if with_residual else ((expected,), (got,)))):
-        # Same roundings as the reference; only the fp32 sum's order may differ, by 1 bf16 ulp at most.
-        torch.testing.assert_close(g, e, atol=0, rtol=2 ** -7)
+        # Same roundings as the reference; only the fp32 sum's order may differ, by 1 bf16 ulp at
+        # most.
+        torch.testing.assert_close(g, e, atol=0, rtol=2**-7)
 
 
 @needs_c_kernels
@@ -223,17 +283,22 @@ def test_c_rms_norm_matches_torch_roundings(shape, with_residual):
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 16), (9, 3, 64), (8, 1, 128)])
 def test_c_rotary_equals_torch_bit_for_bit(num_tokens, num_heads, num_kv_heads, head_dim):
     qkv = (3 * torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)).bfloat16()
-    q_k = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
+    q_k = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_heads + num_kv_heads, head_dim
+    )
     cos_sin = rope_cache(300, head_dim)[torch.randint(0, 300, (num_tokens,))].bfloat16()
     assert torch.equal(kernels.c_rotary(q_k, cos_sin), kernels.torch_rotary(q_k, cos_sin))
 
 
 def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
-    """CPU tensors take the C kernel when it built (RMSNorm: bf16 only); with no compiler (or the switch
-    off) the torch path runs, after a warning that names the file; linears are then not packed."""
+    """CPU tensors take the C kernel when it built (RMSNorm: bf16 only); with no compiler (or the
+    switch off) the torch path runs, after a warning that names the file; linears are then not
+    packed."""
     x, weight = torch.randn(3, 32).bfloat16(), torch.ones(32).bfloat16()
     if kernels.cpu_kernels() is not None:
-        with mock.patch.object(kernels, "torch_rms_norm", side_effect=AssertionError("took the torch path")):
+        with mock.patch.object(
+            kernels, "torch_rms_norm", side_effect=AssertionError("took the torch path")
+        ):
             kernels.rms_norm(x, weight, 1e-6)
         assert kernels.use_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].packed is not None
     with mock.patch.object(kernels, "c_rms_norm", side_effect=AssertionError("took the C path")):
@@ -251,8 +316,8 @@ def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
 
 
 def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
-    """NANOSPEC_ISA makes any machine behave like a smaller one; each ISA's build is cached apart, so a
-    cache shared between machines never loads a library built for another CPU."""
+    """NANOSPEC_ISA makes any machine behave like a smaller one; each ISA's build is cached
+    apart, so a cache shared between machines never loads a library built for another CPU."""
     monkeypatch.setenv("NANOSPEC_ISA", "pentium")
     with pytest.raises(ValueError, match="NANOSPEC_ISA"):
         kernels.cpu_isa()

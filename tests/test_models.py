@@ -1,17 +1,25 @@
-# Every architecture's logits through the paged cache match transformers (the oracle) in float32:
-# a prefill chunk, several single-token decode steps and a verify-shaped multi-token step, block size 4.
+# Every architecture's logits through the paged cache match transformers (the oracle) in float32: a
+# prefill chunk, several single-token decode steps and a verify-shaped multi-token step, block size
+# 4.
 import pytest
+import tiny
 import torch
 
-import tiny
 from nanospec import LLM, SamplingParams, Sequence
 
 CASES = {
     "llama": lambda: tiny.llama_like(),
     "llama-tied": lambda: tiny.llama_like(tie_word_embeddings=True),
-    "llama3-rope": lambda: tiny.llama_like(rope_parameters=dict(
-        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16)),
+    "llama3-rope": lambda: tiny.llama_like(
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        )
+    ),
     "llama-bias": lambda: tiny.llama_like(attention_bias=True, mlp_bias=True),
     "mistral": lambda: tiny.llama_like("MistralForCausalLM", sliding_window=None),
     "qwen2": lambda: tiny.llama_like("Qwen2ForCausalLM"),
@@ -33,7 +41,7 @@ def paged_logits(llm, batch_chunks):
             if step < len(chunks):
                 start = sum(chunks[:step])
                 assert llm.blocks.ensure_slots(seq, start + chunks[step])
-                batch.append((seq, tokens[start:start + chunks[step]], start))
+                batch.append((seq, tokens[start : start + chunks[step]], start))
         with torch.inference_mode():
             hidden, query_start = llm.forward(llm.model, batch)
             out = llm.model.lm_head(hidden)
@@ -49,7 +57,8 @@ def test_logits_match_transformers(name, tmp_path):
     g = torch.Generator().manual_seed(1)
     a = torch.randint(3, tiny.VOCAB, (17,), generator=g).tolist()
     b = torch.randint(3, tiny.VOCAB, (9,), generator=g).tolist()
-    # a: prefill 7, four decode steps, a verify-shaped step of 3, then 3 more; b: prefill 5, decodes.
+    # a: prefill 7, four decode steps, a verify-shaped step of 3, then 3 more; b: prefill 5,
+    # decodes.
     ours = paged_logits(llm, [(a, [7, 1, 1, 1, 1, 3, 3]), (b, [5, 1, 1, 1, 1])])
     for tokens, got in zip((a, b), ours):
         with torch.no_grad():
@@ -72,8 +81,12 @@ def test_sharded_checkpoint_loads(tmp_path):
 def test_low_precision_dtypes_track_float32(dtype, tmp_path):
     tiny.write_checkpoint(tmp_path, tiny.llama_like())
     tokens = list(range(3, 20))
-    ref = paged_logits(LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=16), [(tokens, [10, 1, 6])])[0]
-    got = paged_logits(LLM(str(tmp_path), dtype=dtype, block_size=4, num_blocks=16), [(tokens, [10, 1, 6])])[0]
+    ref = paged_logits(
+        LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=16), [(tokens, [10, 1, 6])]
+    )[0]
+    got = paged_logits(
+        LLM(str(tmp_path), dtype=dtype, block_size=4, num_blocks=16), [(tokens, [10, 1, 6])]
+    )[0]
     assert got.dtype == dtype
     assert (got.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
 
@@ -88,5 +101,7 @@ def test_sliding_window_caps_the_context(tmp_path):
     assert llm.max_model_len == 8
     with pytest.raises(ValueError, match="the context is 8"):
         llm.generate([list(range(3, 11))], SamplingParams(max_tokens=2))
-    out = llm.generate([list(range(3, 8))], SamplingParams(max_tokens=10, ignore_eos=True), use_progress=False)[0]
+    out = llm.generate(
+        [list(range(3, 8))], SamplingParams(max_tokens=10, ignore_eos=True), use_progress=False
+    )[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"

@@ -34,7 +34,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         before, free_before = list(seq.block_table), self.blocks.num_free_blocks
         want = seq.covered + extra
         ok = self.blocks.ensure_slots(seq, want)
-        assert seq.block_table[:len(before)] == before  # existing blocks never move
+        assert seq.block_table[: len(before)] == before  # existing blocks never move
         if ok:
             assert len(seq.block_table) * BLOCK_SIZE >= want
             seq.covered = max(seq.covered, want)
@@ -49,7 +49,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         keep = min(keep, seq.covered)
         before = list(seq.block_table)
         self.blocks.trim(seq, keep)
-        assert seq.block_table == before[:len(seq.block_table)]
+        assert seq.block_table == before[: len(seq.block_table)]
         assert len(seq.block_table) * BLOCK_SIZE >= keep  # accepted positions stay covered
         assert len(seq.block_table) == -(-keep // BLOCK_SIZE) or len(seq.block_table) == len(before)
         seq.covered = keep
@@ -82,5 +82,7 @@ def test_slot_crosses_block_boundaries():
     blocks = BlockManager(8, 4)
     seq = FakeSeq()
     assert blocks.ensure_slots(seq, 6)
-    assert [blocks.slot(seq, p) for p in range(6)] == [seq.block_table[p // 4] * 4 + p % 4 for p in range(6)]
+    assert [blocks.slot(seq, p) for p in range(6)] == [
+        seq.block_table[p // 4] * 4 + p % 4 for p in range(6)
+    ]
     assert len(seq.block_table) == 2 and blocks.ensure_slots(seq, 9) and len(seq.block_table) == 3

@@ -1,14 +1,15 @@
-# Every request mix runs or fails clearly (issue 16): each test here failed before its fix. Output equals
-# plain decoding, or the error is a ValueError (exit 2 at the CLI) naming the problem; nothing leaks.
+# Every request mix runs or fails clearly (issue 16): each test here failed before its fix. Output
+# equals plain decoding, or the error is a ValueError (exit 2 at the CLI) naming the problem;
+# nothing leaks.
 import json
 
 import pytest
-import torch
-
 import tiny
+import torch
+from test_engine import GREEDY, prompts
+
 from models import Tokenizer
 from nanospec import LLM, SamplingParams, main
-from test_engine import GREEDY, prompts
 
 
 @pytest.fixture(scope="module")
@@ -25,19 +26,33 @@ def plain(target):
 
 
 def test_mlp_proposer_after_a_one_token_last_prefill_chunk(target, plain, tmp_path):
-    """A 9-token prompt with a budget of 8 ends its prefill with a one-token chunk: that step samples the
-    first token, but no hidden state has sampled anything yet, so the MLP speculator must not run."""
+    """A 9-token prompt with a budget of 8 ends its prefill with a one-token chunk: that step
+    samples the first token, but no hidden state has sampled anything yet, so the MLP speculator
+    must not run."""
     tiny.write_mlp_speculator(tmp_path, emb_dim=64, n_predict=4)
-    llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=8,
-              draft=f"mlp:{tmp_path}", num_spec_tokens=3)
+    llm = LLM(
+        target,
+        dtype="float32",
+        block_size=4,
+        num_blocks=128,
+        max_num_batched_tokens=8,
+        draft=f"mlp:{tmp_path}",
+        num_spec_tokens=3,
+    )
     prompt = list(range(10, 19))
-    assert llm.generate([prompt], GREEDY, use_progress=False)[0].token_ids == \
-        plain.generate([prompt], GREEDY, use_progress=False)[0].token_ids
+    assert (
+        llm.generate([prompt], GREEDY, use_progress=False)[0].token_ids
+        == plain.generate([prompt], GREEDY, use_progress=False)[0].token_ids
+    )
 
 
 def test_draft_with_a_shorter_context_caps_max_model_len(target, tmp_path):
-    tiny.write_checkpoint(tmp_path, tiny.llama_like(num_hidden_layers=1, max_position_embeddings=32), seed=1)
-    llm = LLM(target, dtype="float32", block_size=4, num_blocks=64, draft=str(tmp_path), num_spec_tokens=3)
+    tiny.write_checkpoint(
+        tmp_path, tiny.llama_like(num_hidden_layers=1, max_position_embeddings=32), seed=1
+    )
+    llm = LLM(
+        target, dtype="float32", block_size=4, num_blocks=64, draft=str(tmp_path), num_spec_tokens=3
+    )
     assert llm.max_model_len == 32
     short = LLM(target, dtype="float32", block_size=4, num_blocks=64, max_model_len=32)
     prompt = list(range(10, 30))
@@ -45,12 +60,21 @@ def test_draft_with_a_shorter_context_caps_max_model_len(target, tmp_path):
     assert out.finish_reason == "length" and len(out.token_ids) == 12
     assert out.token_ids == short.generate([prompt], GREEDY, use_progress=False)[0].token_ids
     with pytest.raises(ValueError, match="max_model_len 64 exceeds 32"):
-        LLM(target, dtype="float32", num_blocks=64, draft=str(tmp_path), num_spec_tokens=3, max_model_len=64)
+        LLM(
+            target,
+            dtype="float32",
+            num_blocks=64,
+            draft=str(tmp_path),
+            num_spec_tokens=3,
+            max_model_len=64,
+        )
 
 
 BAD_ENGINE_ARGS = [
-    (dict(block_size=0), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(kv_cache_gib=0), "kv_cache_gib"), (dict(num_blocks=0), "num_blocks"),
+    (dict(block_size=0), "block_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(kv_cache_gib=0), "kv_cache_gib"),
+    (dict(num_blocks=0), "num_blocks"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(draft="ngram", num_spec_tokens=4, max_num_batched_tokens=4), "max_num_batched_tokens"),
     (dict(draft="ngram", num_spec_tokens="3"), "num_spec_tokens"),
@@ -68,12 +92,16 @@ def test_bad_engine_args_fail_before_any_model_loads(kwargs, message):
         LLM("/no/such/model", **kwargs)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--block-size", "0"], "block_size"), (["--max-num-seqs", "0"], "max_num_seqs"),
-    (["--num-spec-tokens", "x", "--draft", "ngram"], "num_spec_tokens"),
-    (["--ngram-max", "0", "--draft", "ngram"], "ngram_min <= ngram_max"),
-    (["--seed", str(2**70)], "SamplingParams.seed"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--block-size", "0"], "block_size"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--num-spec-tokens", "x", "--draft", "ngram"], "num_spec_tokens"),
+        (["--ngram-max", "0", "--draft", "ngram"], "ngram_min <= ngram_max"),
+        (["--seed", str(2**70)], "SamplingParams.seed"),
+    ],
+)
 def test_cli_rejects_bad_engine_args_with_exit_2(args, message, capsys):
     assert main(["--model", "/no/such/model", *args]) == 2
     err = capsys.readouterr().err
@@ -81,15 +109,23 @@ def test_cli_rejects_bad_engine_args_with_exit_2(args, message, capsys):
 
 
 def test_request_k_is_a_cap_not_a_switch(target):
-    """Two requests asking for K = 2 never speculate while the batch is above spec_disable_batch_size,
-    nor when the engine's own K is 0."""
+    """Two requests asking for K = 2 never speculate while the batch is above
+    spec_disable_batch_size, nor when the engine's own K is 0."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_spec_tokens=2)
-    for engine_args in (dict(num_spec_tokens=3, spec_disable_batch_size=1), dict(num_spec_tokens=0)):
-        llm = LLM(target, dtype="float32", block_size=4, num_blocks=64, draft="ngram", **engine_args)
+    for engine_args in (
+        dict(num_spec_tokens=3, spec_disable_batch_size=1),
+        dict(num_spec_tokens=0),
+    ):
+        llm = LLM(
+            target, dtype="float32", block_size=4, num_blocks=64, draft="ngram", **engine_args
+        )
         outs = llm.generate([[5, 6, 7] * 3, [8, 9] * 4], params, use_progress=False)
         assert [o.num_draft_tokens for o in outs] == [0, 0]
-    alone = llm.generate([[5, 6, 7] * 3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                         use_progress=False)[0]
+    alone = llm.generate(
+        [[5, 6, 7] * 3],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_progress=False,
+    )[0]
     assert alone.num_draft_tokens == 0
 
 
@@ -100,7 +136,9 @@ def test_seed_torch_cannot_take_is_a_value_error(seed):
 
 
 def test_a_failing_step_leaves_the_engine_clean(target, plain):
-    llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, draft="ngram", num_spec_tokens=3)
+    llm = LLM(
+        target, dtype="float32", block_size=4, num_blocks=128, draft="ngram", num_spec_tokens=3
+    )
     real_forward, calls = llm.forward, []
 
     def failing_forward(model, batch, *parents):
@@ -123,7 +161,9 @@ def test_stop_strings_decode_incrementally(plain, monkeypatch):
     output again per token (which was quadratic)."""
     decoded = []
     real_decode = plain.tokenizer.decode
-    monkeypatch.setattr(plain.tokenizer, "decode", lambda ids: decoded.append(len(ids)) or real_decode(ids))
+    monkeypatch.setattr(
+        plain.tokenizer, "decode", lambda ids: decoded.append(len(ids)) or real_decode(ids)
+    )
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=["~~~~~~~~"])
     out = plain.generate("hello world", params, use_progress=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 200
@@ -131,17 +171,22 @@ def test_stop_strings_decode_incrementally(plain, monkeypatch):
 
 
 def test_stop_string_spanning_tokens_inside_an_accepted_run(target, plain):
-    """The char tokenizer makes every stop string span several tokens; with speculation several tokens
-    arrive in one step and the output still ends exactly where plain decoding's does."""
+    """The char tokenizer makes every stop string span several tokens; with speculation several
+    tokens arrive in one step and the output still ends exactly where plain decoding's does."""
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     full = plain.generate("hello world", free, use_progress=False)[0]
     stop = full.text[20:23]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["~~~~", stop])
     expected = plain.generate("hello world", params, use_progress=False)[0]
-    assert expected.text == full.text[:full.text.find(stop)] and expected.finish_reason == "stop"
-    spec = LLM(target, dtype="float32", block_size=4, num_blocks=128, draft=target, num_spec_tokens=5)
+    assert expected.text == full.text[: full.text.find(stop)] and expected.finish_reason == "stop"
+    spec = LLM(
+        target, dtype="float32", block_size=4, num_blocks=128, draft=target, num_spec_tokens=5
+    )
     out = spec.generate("hello world", params, use_progress=False)[0]
-    assert (out.text, out.token_ids) == (expected.text, expected.token_ids) and out.num_accepted_tokens > 0
+    assert (out.text, out.token_ids) == (
+        expected.text,
+        expected.token_ids,
+    ) and out.num_accepted_tokens > 0
 
 
 def test_step_reads_row_ends_without_a_host_sync_per_sequence(plain, monkeypatch):
@@ -151,6 +196,7 @@ def test_step_reads_row_ends_without_a_host_sync_per_sequence(plain, monkeypatch
 
     def no_item(self):
         raise AssertionError("Tensor.item() in step")
+
     monkeypatch.setattr(torch.Tensor, "item", no_item)
     assert len(plain.scheduler.running) == 3 and plain.step() == []
     monkeypatch.undo()
@@ -159,8 +205,9 @@ def test_step_reads_row_ends_without_a_host_sync_per_sequence(plain, monkeypatch
 
 
 def test_samples_is_decided_at_schedule_time(target, plain):
-    """A prefill chunk scheduled before a sampling sequence must not be mistaken for one after the step
-    moved its num_cached (the chunk here is half the prompt: num_cached + num_tokens then equals len)."""
+    """A prefill chunk scheduled before a sampling sequence must not be mistaken for one after
+    the step moved its num_cached (the chunk here is half the prompt: num_cached + num_tokens
+    then equals len)."""
     llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=5)
     schedule = llm.scheduler.schedule
     llm.scheduler.schedule = lambda: schedule()[::-1]  # chunks first
@@ -176,29 +223,45 @@ def test_samples_is_decided_at_schedule_time(target, plain):
 def test_chat_templates_render_in_a_sandbox(tmp_path):
     tiny.write_char_tokenizer(tmp_path)
     config = tmp_path / "tokenizer_config.json"
-    config.write_text(json.dumps({"chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}"}))
-    assert Tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}]) == "<hi>"
-    for escape in ("{{ ''.__class__.__mro__[1].__subclasses__() }}",
-                   "{{ cycler.__init__.__globals__.os.popen('echo pwned').read() }}",
-                   "{{ messages.append(1) }}"):
+    config.write_text(
+        json.dumps({"chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}"})
+    )
+    assert (
+        Tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}]) == "<hi>"
+    )
+    for escape in (
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__.os.popen('echo pwned').read() }}",
+        "{{ messages.append(1) }}",
+    ):
         config.write_text(json.dumps({"chat_template": escape}))
         with pytest.raises(ValueError, match="chat template failed"):
             Tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_draft_catch_up_stays_within_the_token_budget(target, plain):
-    """Issue 16 item 9: the draft model's first forward feeds every token it lacks (the whole prompt the
-    first time); that forward is chunked within max_num_batched_tokens, like the target's prefill."""
-    llm = LLM(target, dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=12,
-              draft=target, num_spec_tokens=3)
+    """Issue 16 item 9: the draft model's first forward feeds every token it lacks (the whole
+    prompt the first time); that forward is chunked within max_num_batched_tokens, like the
+    target's prefill."""
+    llm = LLM(
+        target,
+        dtype="float32",
+        block_size=4,
+        num_blocks=128,
+        max_num_batched_tokens=12,
+        draft=target,
+        num_spec_tokens=3,
+    )
     forward, draft_sizes = llm.forward, []
 
     def spy(model, batch, *tree):
         if model is llm.proposer.model:
             draft_sizes.append(sum(len(tokens) for _, tokens, _ in batch))
         return forward(model, batch, *tree)
+
     llm.forward = spy
-    long_prompts = [list(range(3, 40)), list(range(50, 75))]  # 37 and 25 tokens: more than the budget
+    # 37 and 25 tokens: more than the budget
+    long_prompts = [list(range(3, 40)), list(range(50, 75))]
     outs = llm.generate(long_prompts, GREEDY, use_progress=False)
     expected = plain.generate(long_prompts, GREEDY, use_progress=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
@@ -207,19 +270,34 @@ def test_draft_catch_up_stays_within_the_token_budget(target, plain):
 
 def test_cli_draft_without_k_means_auto_and_names_dtype_and_kernels(target, monkeypatch, capsys):
     import nanospec
+
     choosers = []
     real = nanospec.GoodputChooser
-    monkeypatch.setattr(nanospec, "GoodputChooser", lambda *a: choosers.append(real(*a)) or choosers[-1])
-    args = ["--model", target, "--draft", "ngram", "--prompt", "abcabc", "--max-tokens", "6", "--dtype", "float32"]
+    monkeypatch.setattr(
+        nanospec, "GoodputChooser", lambda *a: choosers.append(real(*a)) or choosers[-1]
+    )
+    args = [
+        "--model",
+        target,
+        "--draft",
+        "ngram",
+        "--prompt",
+        "abcabc",
+        "--max-tokens",
+        "6",
+        "--dtype",
+        "float32",
+    ]
     assert main(args) == 0 and len(choosers) == 1
     out = capsys.readouterr().out
     assert "dtype, kernels" in out and "float32" in out
 
 
 def test_exponential_noise_is_clamped_away_from_zero(monkeypatch):
-    """Item 8: a device that returns exact zeros from exponential_ must not let 0 / 0 = NaN win the race
-    (torch.argmax takes NaN as the maximum): the token drawn always has probability > 0."""
+    """Item 8: a device that returns exact zeros from exponential_ must not let 0 / 0 = NaN win
+    the race (torch.argmax takes NaN as the maximum): the token drawn always has probability > 0."""
     import nanospec
+
     monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, **kwargs: self.zero_())
     probs = torch.tensor([0.0, 0.0, 0.7, 0.3])
     seq = nanospec.Sequence([1], SamplingParams(temperature=1.0, seed=3), "cpu")
@@ -228,14 +306,25 @@ def test_exponential_noise_is_clamped_away_from_zero(monkeypatch):
 
 
 def test_c_attention_over_a_long_context():
-    """Item 11: the C kernel keeps no stack arrays sized by the context (it overflowed near 50k tokens)."""
+    """Item 11: the C kernel keeps no stack arrays sized by the context (it overflowed near 50k
+    tokens)."""
     import kernels
+
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     context, block_size, num_kv_heads, group, head_dim = 70_000, 16, 1, 4, 64
     k_cache = torch.randn(context // block_size, block_size, num_kv_heads, head_dim)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(2, num_kv_heads * group, head_dim)
-    args = (q, k_cache, v_cache, torch.arange(context // block_size)[None], torch.tensor([context]),
-            torch.tensor([0, 2]), head_dim ** -0.5)
-    assert torch.allclose(kernels.c_paged_attention(*args), kernels.torch_paged_attention(*args), atol=1e-5)
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        torch.arange(context // block_size)[None],
+        torch.tensor([context]),
+        torch.tensor([0, 2]),
+        head_dim**-0.5,
+    )
+    assert torch.allclose(
+        kernels.c_paged_attention(*args), kernels.torch_paged_attention(*args), atol=1e-5
+    )
