@@ -134,7 +134,7 @@ def cpu_kernels():
     lib = ctypes.CDLL(str(library))
     lib.bf16_dot = isa == "avx512bf16"
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 6
+    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr, i32]
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
@@ -274,10 +274,15 @@ def c_linear(x, packed, bias, out_features):
     per call."""
     rows = x.reshape(-1, x.shape[-1])
     out = x.new_empty(rows.shape[0], out_features)
-    # The bf16 dot product takes bf16 rows as they are, at every M. For FMAs, several bf16 rows are
-    # widened once here (exactly): in the kernel each column group would redo it.
+    # The bf16 dot product takes bf16 rows as they are. The FMA path takes fp32 rows, widened here
+    # once (exactly), so that the kernel's broadcast of x[m, k] is a single load. Both walk k in
+    # pairs: an odd K gets a zero column (its weights are zero-padded too).
     dot = cpu_kernels().bf16_dot and rows.dtype == packed.dtype == torch.bfloat16
-    rows = rows.float() if len(rows) > 1 and not dot else rows.contiguous()
+    rows = F.pad(rows if dot else rows.float(), (0, rows.shape[1] % 2)).contiguous()
+    threads = torch.get_num_threads()
+    # Prefill's K-blocks need per-thread room: bf16 weights widened once per block, partial sums.
+    blocked = not dot and packed.dtype == torch.bfloat16 and len(rows) > 6
+    scratch = linear_scratch(threads * (128 * 32 * 4 + len(rows) * 64)) if blocked else None
     cpu_kernels().linear(
         rows.data_ptr(),
         packed.data_ptr(),
@@ -287,9 +292,21 @@ def c_linear(x, packed, bias, out_features):
         out_features,
         rows.shape[1],
         *(t.dtype == torch.bfloat16 for t in (rows, packed, out)),
-        torch.get_num_threads(),
+        None if scratch is None else scratch.data_ptr(),
+        threads,
     )
     return out.view(*x.shape[:-1], out_features)
+
+
+_scratch = torch.empty(0)
+
+
+def linear_scratch(floats: int) -> torch.Tensor:
+    """One buffer reused by every prefill linear (a fresh one each call would cost page faults)."""
+    global _scratch
+    if _scratch.numel() < floats:
+        _scratch = torch.empty(floats)
+    return _scratch
 
 
 # ---------------------------------------------------------------------------------------------
