@@ -357,7 +357,7 @@ class LLMEngine:
             hidden = model(input_ids, positions)
         finally:
             kernels.context = None
-        # on the host: reading row ends from it never syncs the device
+        # query_start_loc stays on the host: reading row ends from it never syncs the device.
         return hidden, query_start_loc
 
     # -- the step -------------------------------------------------------------------------------
@@ -442,7 +442,7 @@ class LLMEngine:
     def finish(self, seq: Sequence):
         self.scheduler.remove(seq)
         seq.finish_time = time.perf_counter()
-        # finished requests feed later ones' proposals
+        # Finished requests feed later ones' proposals.
         if isinstance(self.proposer, SuffixProposer):
             self.proposer.remember(seq.token_ids)
         if seq.text is None and self.tokenizer is not None:
@@ -473,7 +473,7 @@ class LLM(LLMEngine):
                 task = progress.add_task("generating", total=len(seqs))
                 while any(seq.phase != "finished" for seq in seqs):
                     progress.advance(task, len(self.step()))
-        # a bad request, a failed step, Ctrl-C: leave no request and no block behind
+        # A bad request, a failed step, Ctrl-C: leave no request and no block behind.
         except BaseException:
             for seq in seqs:
                 self.abort(seq)
@@ -576,7 +576,6 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     from rich.table import Column, Table
 
     num_tokens = sum(len(o.token_ids) for o in outputs)
-    # noqa: E731
     median_ms = lambda name: f"{1000 * np.median([getattr(o, name) for o in outputs]):.1f}"
     rows = {
         "requests": len(outputs),
@@ -610,7 +609,7 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     console = Console()
-    # the flags named like LLMEngine's
+    # The flags named like EngineConfig's fields are the engine's settings.
     engine_args = {f.name for f in fields(EngineConfig)}
     settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
     try:

@@ -20,8 +20,10 @@ from sequence import ScheduledSeq, Sequence
 # drafts also fill item.draft_probs.
 class NgramProposer:
     """Prompt lookup: find the first occurrence of the longest suffix n-gram (n in [min_n,
-    max_n]) in prompt + output and propose the tokens that followed it: usually in the prompt,
-    the text being quoted or edited (later ones are often the model's own repetitions)."""
+    max_n]) in prompt + output and propose the tokens that followed it. The first occurrence is
+    usually in the prompt, the text being quoted or edited; later ones are often the model's own
+    repetitions (on the grounded bench prompts, first-match drafts gave 3.26 tokens per step
+    against 3.02)."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -108,7 +110,9 @@ class SuffixProposer:
     stays >= min_prob, at most max_spec_factor x the match length. Where the longest match is in
     the request itself, its latest occurrence (the text being repeated now) weighs as much as all
     the others together: a chain follows it, a tree tries it first (BENCHMARKS.md, session 9). A
-    plain numpy scan per step, no index: O(remembered tokens)."""
+    plain numpy scan per step, no index: O(remembered tokens). (Fresh grounded requests, greedy,
+    K = 4 / 8: 2.81 / 3.41 tokens per step; with the paper's factor 1 and plain frequencies
+    2.60 / 2.92; n-gram 2.66 / 3.26.)"""
 
     def __init__(self, max_requests=256, max_match=24, max_spec_factor=8.0, min_prob=0.1):
         self.finished = deque(maxlen=max_requests)  # the oldest request drops out first
@@ -132,7 +136,7 @@ class SuffixProposer:
         rows = [continuations(hay, ends, depth) for hay, length, ends in found if length == m > 0]
         if not rows:
             return [], []
-        # rows[-1] are the request's own, the latest last: it outweighs all others
+        # rows[-1] are the request's own, the latest last: that one outweighs all the others.
         if found[1][1] == m:
             rows.insert(0, np.repeat(rows[-1][-1:], sum(map(len, rows)), axis=0))
         return draft_tree(np.concatenate(rows), budget, branches, self.min_prob)

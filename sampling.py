@@ -18,7 +18,7 @@ def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
     greedy = temperature == 0
     probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-    # only these are renormalised
+    # Only the rows with top-k or top-p are filtered and renormalised.
     filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
     if filtered:
         probs[filtered] = top_k_top_p(probs[filtered], [params[i] for i in filtered])
@@ -74,7 +74,7 @@ def accept(sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[lis
     """(accepted path of draft indices, next token) per sequence, from its rows of logits: the
     coupled acceptance for greedy and seeded requests, the rejection sampler for the others."""
     starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
-    # the step's one host sync; max: 2x faster than bf16 argmax
+    # The step's one host sync; max() is 2x faster than argmax on bf16.
     best = logits.max(-1).indices.tolist()
     return [
         accept_coupled(it, logits[a:b], best[a:b])
@@ -179,7 +179,7 @@ def sample_drafts(items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tens
     for item, p in zip(items, probs):
         # The noise of the position the draft is for: where the target samples with the same noise
         # (accept_coupled), the draft agrees with it as often as it can.
-        # a chain: the previous draft, or -1 for the first
+        # A chain: each draft's parent is the previous draft, or -1 for the first.
         item.parents.append(len(item.drafts) - 1)
         item.drafts.append(sample_at(p, item.seq, len(item.seq) + len(item.drafts)))
         item.draft_probs = (

@@ -22,7 +22,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     num_spec_tokens: int | None = None  # per-request K (0: this request never speculates)
-    # per token: the sampled token's and the N most likely tokens' log-probs
+    # Per token: the sampled token's and the N most likely tokens' log-probs.
     logprobs: int | None = None
 
     def __post_init__(self):
@@ -36,7 +36,7 @@ class SamplingParams:
             "stop": all(isinstance(s, str) and s for s in self.stop or []),
             "num_spec_tokens": self.num_spec_tokens is None or self.num_spec_tokens >= 0,
             "logprobs": self.logprobs is None or self.logprobs >= 0,
-            # torch takes
+            # A seed torch's generators take.
             "seed": self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2**64,
         }
         for name, ok in checks.items():
@@ -62,7 +62,7 @@ class Sequence:
         self.stop_text, self.decode_offsets = "", (self.num_prompt_tokens,) * 2  # for stop strings
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
         self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
-        # steps that drafted a token there after accepting all before
+        # Per position: steps that drafted a token there after accepting every draft before it.
         self.reached_per_position = Counter()
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
 

@@ -17,7 +17,7 @@ from models.mlp_speculator import VOCAB_FILE, MLPSpeculator, tied_name
 from nanospec import LLM
 from sequence import SamplingParams, Sequence
 
-# the pretrained vocabulary head moves ten times slower than the new projections
+# The pretrained vocabulary head moves ten times slower than the new projections.
 HEAD_LR_SCALE = 0.1
 
 
