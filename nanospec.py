@@ -1,8 +1,7 @@
-# nanospec: the engine. Its step (plain decoding: K = 0) is schedule -> propose -> verify -> accept
-# -> commit; this file holds the scheduler, the varlen forward, the engine and its commit, the LLM
-# API and the CLI, in that order (requests: sequence.py, drafts: proposers.py, acceptance:
-# sampling.py, auto K: goodput.py). It must never emit a token the target would not have produced
-# with the same sampling (greedy: the same tokens).
+# nanospec: the engine. A step (plain decoding: K = 0) is schedule -> propose -> verify -> accept ->
+# commit; here the scheduler, the varlen batch, the engine, the LLM API and the CLI, in that order
+# (requests: sequence.py, drafts: proposers.py, acceptance: sampling.py, auto K: goodput.py). It
+# must never emit a token the target would not have produced with the same sampling.
 import argparse
 import itertools
 import json
