@@ -1,7 +1,7 @@
-# nanospec: the engine. A step (plain decoding: K = 0) is schedule -> propose -> verify -> accept ->
-# commit; here the scheduler, the varlen batch, the engine, the LLM API and the CLI, in that order
-# (requests: sequence.py, drafts: proposers.py, acceptance: sampling.py, auto K: goodput.py). It
-# must never emit a token the target would not have produced with the same sampling.
+# nanospec: the engine. Each step is schedule -> propose -> verify -> accept -> commit (plain
+# decoding is K = 0); here the scheduler, the varlen batch, the engine, the LLM API and the CLI, in
+# that order (requests: sequence.py, drafts: proposers.py, acceptance: sampling.py, auto K:
+# goodput.py). It must never emit a token the target would not have produced with the same sampling.
 import argparse
 import itertools
 import json
