@@ -289,7 +289,6 @@ def main(argv=None):
             col, justify="left" if col in ("method", "acc/pos", "K per step") else "right"
         )
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
-    # noqa: E731
     ms = lambda r, key, f: f"{1000 * r[key + '_p50']:{f}}/{1000 * r[key + '_p90']:{f}}"
     for r in results:
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_plain"]]

@@ -44,8 +44,8 @@ class AttentionContext:
 context: AttentionContext | None = None
 
 
-# --------------------------------------------------------------------------------------------- The
-# CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c is
+# ---------------------------------------------------------------------------------------------
+# The CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c is
 # compiled on first use with the system's C compiler into the cache dir and called through ctypes.
 # Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead. The
 # /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (avx512_bf16:
