@@ -7,7 +7,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -127,12 +127,23 @@ static inline float hmax(vf v) {  // a max is exact in any order
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
 
 // The weights of one half (k even: 0, odd: 1) of a pair for LANES columns (v: which slice of 16).
-static inline vf widen(const char *pair, int v, int half, const int w_bf16) {
+// wt, the packed weights' type: 0 fp32, 1 bf16 (a shift or a mask widens it), 2 fp16 (F16C's
+// vcvtph2ps widens LANES of them in one instruction, straight from memory).
+static inline vf widen(const char *pair, int v, int half, const int wt) {
     vf wk;
-    if (!w_bf16) {
+    if (wt == 0) {
         __builtin_memcpy(&wk, pair + (half * PANEL + v * LANES) * 4, sizeof wk);
         return wk;
     }
+#if defined(__F16C__) && LANES == 16
+    if (wt == 2)
+        return (vf)_mm512_cvtph_ps(
+            _mm256_loadu_si256((const void *)(pair + (half * PANEL + v * LANES) * 2)));
+#elif defined(__F16C__)
+    if (wt == 2)
+        return (vf)_mm256_cvtph_ps(
+            _mm_loadu_si128((const void *)(pair + (half * PANEL + v * LANES) * 2)));
+#endif
     vu u;
     __builtin_memcpy(&u, pair + v * LANES * 4, sizeof u);
     return (vf)(half ? u & 0xFFFF0000u : u << 16);
@@ -165,11 +176,11 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 static inline __attribute__((always_inline)) void
 tile(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int64_t kps, float *partial,
      const void *bias, void *y, int64_t m0, int p0, int N, int64_t K2, const int R, const int P,
-     const int w_bf16, const int dot, int y_bf16) {
+     const int wt, const int dot, int y_bf16) {
     vf acc[MAX_ACC];  // acc[(r * P + p) * PV + v]
     for (int i = 0; i < R * P * PV; i++) acc[i] = (vf){};
     if (partial && kp0 > 0) __builtin_memcpy(acc, partial + m0 * P * PANEL, R * P * PANEL * 4);
-    const int64_t pair_bytes = PANEL * (w_bf16 ? 4 : 8);  // one panel's weights for a pair of k
+    const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // one panel's weights for a pair of k
     for (int64_t kp = 0; kp < kps; kp++)
         for (int p = 0; p < P; p++) {
             const char *pair = w0 + p * panel_bytes + kp * pair_bytes;
@@ -188,7 +199,7 @@ tile(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int64_t kp
 #endif
             for (int half = 0; half < 2; half++) {  // k = 2 kp, then 2 kp + 1: the chain's order
                 vf wk[PV];
-                for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, w_bf16);
+                for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, wt);
                 for (int r = 0; r < R; r++) {
                     vf xk = splat(((const float *)x)[(m0 + r) * 2 * K2 + 2 * (kp0 + kp) + half]);
                     for (int v = 0; v < PV; v++) acc[(r * P + p) * PV + v] += xk * wk[v];  // FMA
@@ -206,14 +217,14 @@ tile(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int64_t kp
 #define SHAPE(R, P)                                                                                \
     case R * 8 + P:                                                                                \
         if (R * P * PV <= MAX_ACC)                                                                 \
-            tile(x, w0, panel_bytes, kp0, kps, partial, bias, y, m0, p0, N, K2, R, P, w_bf16, dot, \
+            tile(x, w0, panel_bytes, kp0, kps, partial, bias, y, m0, p0, N, K2, R, P, wt, dot,     \
                  y_bf16);                                                                          \
         break;
 #define SHAPES(R) SHAPE(R, 1) SHAPE(R, 2) SHAPE(R, 3) SHAPE(R, 4)
 static inline __attribute__((always_inline)) void
 tile_shape(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int64_t kps,
            float *partial, const void *bias, void *y, int64_t m0, int p0, int N, int64_t K2,
-           int rows, int panels, const int w_bf16, const int dot, int y_bf16) {
+           int rows, int panels, const int wt, const int dot, int y_bf16) {
     switch (rows * 8 + panels) { SHAPES(1) SHAPES(2) SHAPES(3) SHAPES(4) SHAPES(5) SHAPES(6) }
 }
 
@@ -221,12 +232,12 @@ tile_shape(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int6
 // that every row block of the call then reads (fp32 layout: [panel][pair][2][16]).
 #define KBLOCK 128
 static void widen_block(const char *w, int64_t K2, int p0, int P, int64_t kp0, int64_t kps,
-                        float *out) {
+                        float *out, int wt) {
     for (int p = 0; p < P; p++)
         for (int64_t kp = 0; kp < kps; kp++)
             for (int half = 0; half < 2; half++)
                 for (int v = 0; v < PV; v++) {
-                    vf wk = widen(w + ((p0 + p) * K2 + kp0 + kp) * PANEL * 4, v, half, 1);
+                    vf wk = widen(w + ((p0 + p) * K2 + kp0 + kp) * PANEL * 4, v, half, wt);
                     __builtin_memcpy(out + ((p * kps + kp) * 2 + half) * PANEL + v * LANES, &wk,
                                      sizeof wk);
                 }
@@ -238,18 +249,18 @@ static void widen_block(const char *w, int64_t K2, int p0, int P, int64_t kp0, i
 // each into `scratch` (KBLOCK * 32 * 4 floats, then M * 64 floats of partial sums).
 static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
-              int first, int last, float *scratch, const int w_bf16, const int dot, int y_bf16) {
+              int first, int last, float *scratch, const int wt, const int dot, int y_bf16) {
     int group = PANELS_FOR(M < MAX_ROWS ? M : MAX_ROWS);
-    int blocked = w_bf16 && !dot && M > 3 * MAX_ROWS;
+    int blocked = wt && !dot && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a K-block
     int64_t kblock = blocked ? KBLOCK : K2;
     for (int p0 = first; p0 < last; p0 += group) {
         int panels = last - p0 < group ? last - p0 : group;
         for (int64_t kp0 = 0; kp0 < K2; kp0 += kblock) {
             int64_t kps = K2 - kp0 < kblock ? K2 - kp0 : kblock;
-            const char *w0 = (const char *)w + (p0 * K2 + kp0) * PANEL * (w_bf16 ? 4 : 8);
-            int64_t panel_bytes = K2 * PANEL * (w_bf16 ? 4 : 8);
+            const char *w0 = (const char *)w + (p0 * K2 + kp0) * PANEL * (wt ? 4 : 8);
+            int64_t panel_bytes = K2 * PANEL * (wt ? 4 : 8);
             if (blocked) {
-                widen_block(w, K2, p0, panels, kp0, kps, scratch);
+                widen_block(w, K2, p0, panels, kp0, kps, scratch, wt);
                 w0 = (const char *)scratch, panel_bytes = kps * PANEL * 8;
             }
             for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
@@ -259,21 +270,23 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
                                p0, N, K2, rows, panels, 0, 0, y_bf16);
                 else
                     tile_shape(x, w0, panel_bytes, kp0, kps, 0, bias, y, m0, p0, N, K2, rows,
-                               panels, w_bf16, dot, y_bf16);
+                               panels, wt, dot, y_bf16);
             }
         }
     }
 }
 
 // x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: the AVX512-BF16 dot product,
-// W bf16 too). W packed fp32 or bf16 (w_bf16); y and its bias fp32 or bf16 (y_bf16).
+// W bf16 too). W packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32
+// or bf16 (y_bf16).
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
-            int x_bf16, int w_bf16, int y_bf16, float *scratch, int threads) {
+            int x_bf16, int wt, int y_bf16, float *scratch, int threads) {
     int num_panels = (N + PANEL - 1) / PANEL;
     int64_t K2 = K / 2;
     if (M == 0) return;  // (no tile shape has 0 rows)
-    // Each thread owns an equal run of panels and walks every row through it: its weights stay in
-    // its cache while the rows pass, and which thread computes an output never changes its value.
+        // Each thread owns an equal run of panels and walks every row through it: its weights stay
+        // in its cache while the rows pass, and which thread computes an output never changes its
+        // value.
 #pragma omp parallel num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -281,8 +294,12 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
         float *own = scratch ? scratch + t * (KBLOCK * 32 * 4 + M * 64) : 0;  // see linear_panels
         if (x_bf16)
             linear_panels(x, w, bias, y, M, N, K2, first, last, own, 1, 1, y_bf16);
-        else if (w_bf16)
+        else if (wt == 1)
             linear_panels(x, w, bias, y, M, N, K2, first, last, own, 1, 0, y_bf16);
+#if defined(__F16C__)
+        else if (wt == 2)
+            linear_panels(x, w, bias, y, M, N, K2, first, last, own, 2, 0, y_bf16);
+#endif
         else
             linear_panels(x, w, bias, y, M, N, K2, first, last, own, 0, 0, y_bf16);
     }

@@ -76,9 +76,15 @@ def cpu_flags() -> set[str]:
 
 
 def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
-    """--dtype auto. A GPU: the checkpoint's 16-bit dtype, else bf16. A CPU: bf16 where the C
-    kernels run (on every ISA they stream bf16 weights, half of fp32's memory traffic, and
-    compute in fp32 registers) or where torch has bf16 instructions; else fp32 (on an AVX2 CPU
+    """--dtype auto: the activations' dtype. A GPU: the checkpoint's 16-bit dtype, else bf16.
+
+    A CPU with the C kernels and AVX512-BF16: bf16 (the dot product does twice the MACs of an
+    FMA, which makes verification and prefill cheap). Any other CPU with the C kernels: float32
+    activations, residual stream and KV cache, with every linear's weights packed in 16 bits
+    (auto_weight_dtype). The FMA path widens x to fp32 anyway and reads the same 16-bit weights,
+    so this costs little speed, while greedy output stays as close to the fp32 model as
+    llama.cpp's F16 (bf16 activations left it after a few tokens: BENCHMARKS.md, session 12).
+    Without the C kernels: bf16 where torch has bf16 instructions, else fp32 (on an AVX2 CPU
     torch's bf16 matmul is ~5x slower than fp32)."""
     if torch.device(device).type != "cpu":
         return (
@@ -86,8 +92,19 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
             if checkpoint_dtype in (torch.float16, torch.bfloat16)
             else torch.bfloat16
         )
+    if cpu_kernels() is not None:
+        return torch.bfloat16 if cpu_kernels().bf16_dot else torch.float32
     native_bf16 = not os.environ.get("NANOSPEC_ISA") and {"avx512_bf16", "amx_bf16"} & cpu_flags()
-    return torch.bfloat16 if cpu_kernels() is not None or native_bf16 else torch.float32
+    return torch.bfloat16 if native_bf16 else torch.float32
+
+
+def auto_weight_dtype(weight: torch.Tensor) -> torch.dtype:
+    """How --dtype auto stores an fp32 linear's weights for the C kernels: fp16 where the CPU
+    widens it in one instruction (F16C: every build but `generic`) and its range holds the
+    weights (3 more mantissa bits than bf16: a checkpoint converted from an F16 GGUF, like the
+    default model, keeps every bit), else bf16."""
+    fits_fp16 = weight.abs().max() <= torch.finfo(torch.float16).max
+    return torch.float16 if cpu_kernels().f16c and fits_fp16 else torch.bfloat16
 
 
 def cache_dir() -> Path:
@@ -132,7 +149,7 @@ def cpu_kernels():
             )
             return None
     lib = ctypes.CDLL(str(library))
-    lib.bf16_dot = isa == "avx512bf16"
+    lib.bf16_dot, lib.f16c = isa == "avx512bf16", isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr, i32]
@@ -229,10 +246,14 @@ class Linear(nn.Module):
         return linear(x, self)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, storage: torch.dtype | None = None) -> torch.Tensor:
     """[N, K] -> panels of 16 output columns (N zero-padded to a multiple of 16), k in pairs (K
-    padded to even): fp32 [N/16, K/2, 2, 16]; bf16 [N/16, K/2, 16, 2], so a pair of k shares one
-    32-bit word, the operand of AVX512-BF16's dot product (cpu_kernels.c, "Linear")."""
+    padded to even), stored as `storage` (default: the weight's dtype). fp32 and fp16
+    [N/16, K/2, 2, 16]: 16 columns of one k side by side, what a vector load (and F16C's
+    vcvtph2ps) wants; bf16 [N/16, K/2, 16, 2], so a pair of k shares one 32-bit word, the operand
+    of AVX512-BF16's dot product, widened by a shift or a mask elsewhere (cpu_kernels.c,
+    "Linear")."""
+    weight = weight.to(storage or weight.dtype)
     n, k = weight.shape
     # [panel, n, k / 2, 2]
     pairs = F.pad(weight, (0, k % 2, 0, -n % 16)).reshape(-1, 16, (k + 1) // 2, 2)
@@ -241,10 +262,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     ).contiguous()
 
 
-def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:
+def use_linears(model: nn.Module, pack: bool = True, small_weights: bool = False) -> nn.Module:
     """Swap every nn.Linear for a Linear, packed for the C kernels when they run here (pack=False
-    keeps plain weights, for code that reads them). A weight shared by several layers is packed
-    once."""
+    keeps plain weights, for code that reads them); small_weights packs fp32 weights in 16 bits
+    (auto_weight_dtype; --dtype auto). A weight shared by several layers is packed once."""
     packed = {}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -253,12 +274,22 @@ def use_linears(model: nn.Module, pack: bool = True) -> nn.Module:
             weight = child.weight.detach()
             c_runs = pack and pick(weight, "triton", "c", "torch") == "c"
             if c_runs and weight.data_ptr() not in packed:
-                packed[weight.data_ptr()] = pack_weight(weight)
+                small = small_weights and weight.dtype == torch.float32
+                storage = auto_weight_dtype(weight) if small else weight.dtype
+                packed[weight.data_ptr()] = pack_weight(weight, storage)
             bias = None if child.bias is None else child.bias.detach()
             setattr(
                 module, name, Linear(weight, bias, packed[weight.data_ptr()] if c_runs else None)
             )
     return model
+
+
+def weights_summary(model: nn.Module) -> str:
+    """' (float16 weights)' where the linears' packed weights differ from the activations' dtype,
+    for the run summaries."""
+    packed = {m.packed.dtype for m in model.modules() if getattr(m, "packed", None) is not None}
+    other = sorted(str(d)[6:] for d in packed - {next(model.parameters()).dtype})
+    return f" ({', '.join(other)} weights)" if other else ""
 
 
 def torch_linear(x, weight, bias=None):
@@ -267,6 +298,9 @@ def torch_linear(x, weight, bias=None):
     out_rows = [F.linear(row, weight, bias) for row in x.reshape(-1, x.shape[-1])]
     out = torch.stack(out_rows) if out_rows else x.new_empty(0, weight.shape[0])
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_kernels.c's `wt`
 
 
 def c_linear(x, packed, bias, out_features):
@@ -278,14 +312,15 @@ def c_linear(x, packed, bias, out_features):
     # The bf16 dot product takes bf16 rows as they are. The FMA path takes fp32 rows, widened here
     # once (exactly), so that the kernel's broadcast of x[m, k] is a single load. Both walk k in
     # pairs: an odd K gets a zero column (its weights are zero-padded too).
-    w_bf16 = packed.dtype == torch.bfloat16
-    dot = lib.bf16_dot and w_bf16 and rows.dtype == torch.bfloat16
+    w_type = WEIGHT_TYPES[packed.dtype]
+    assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
+    dot = lib.bf16_dot and w_type == 1 and rows.dtype == torch.bfloat16
     rows = (rows if dot else rows.float()).contiguous()
     if rows.shape[1] % 2:
         rows = F.pad(rows, (0, 1))
     threads = torch.get_num_threads()
     # Prefill's K-blocks need per-thread room: bf16 weights widened once per block, partial sums.
-    blocked = w_bf16 and not dot and len(rows) > 6
+    blocked = w_type and not dot and len(rows) > 6
     scratch = linear_scratch(threads * (128 * 32 * 4 + len(rows) * 64)) if blocked else None
     lib.linear(
         rows.data_ptr(),
@@ -296,7 +331,7 @@ def c_linear(x, packed, bias, out_features):
         out_features,
         rows.shape[1],
         dot,
-        w_bf16,
+        w_type,
         out.dtype == torch.bfloat16,
         None if scratch is None else scratch.data_ptr(),
         threads,

@@ -583,7 +583,8 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
         "output tok/s": f"{num_tokens / elapsed:.1f}",
         "TTFT median (ms)": median_ms("ttft"),
         "TPOT median (ms)": median_ms("tpot"),
-        "dtype, kernels": f"{str(llm.dtype)[6:]}, {kernels.kernels_summary(llm.device)}",
+        "dtype, kernels": f"{str(llm.dtype)[6:]}{kernels.weights_summary(llm.model)}, "
+        f"{kernels.kernels_summary(llm.device)}",
     }
     if llm.proposer is not None:
         m = spec_metrics(outputs)  # None per step when no step speculated: 1 token a step, 0 nodes

@@ -121,6 +121,7 @@ def load_model(path: str, dtype="auto", device="cpu", pack=True):
         f"{path}: unsupported architecture {archs or config.get('model_type')!r} "
         f"(supported: {', '.join(ARCHITECTURES)})",
     )
+    auto = dtype in (None, "auto")  # on a CPU: 16-bit weights under fp32 activations
     dtype = resolve_dtype(dtype, config, device)
     try:
         with torch.device("meta"):
@@ -128,7 +129,7 @@ def load_model(path: str, dtype="auto", device="cpu", pack=True):
     except KeyError as e:
         raise ValueError(f"{path}/config.json: missing field {e.args[0]!r}") from None
     load_weights(model, path, dtype, device)
-    return use_linears(model.to(device).eval(), pack), config
+    return use_linears(model.to(device).eval(), pack, small_weights=auto), config
 
 
 class Tokenizer:

@@ -33,7 +33,6 @@ def compile_cases():
     def record(kernel, grid, args, num_warps, **constexprs):
         launches.append((kernel, args, dict(constexprs, num_warps=num_warps)))
 
-    # noqa: E731
     meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")
     longs = lambda *shape: meta(*shape, dtype=torch.int64)  # noqa: E731
     with mock.patch.object(kernels, "_launch", record):

@@ -250,7 +250,6 @@ def test_bf16_c_kernels_give_the_torch_paths_greedy_output(target, drafts, monke
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     spec = {} if draft == "none" else dict(draft=drafts[draft], num_spec_tokens=3)
-    # noqa: E731
     make = lambda: LLM(
         target[0], dtype="bfloat16", block_size=4, num_blocks=40, max_num_batched_tokens=24, **spec
     )
@@ -258,3 +257,31 @@ def test_bf16_c_kernels_give_the_torch_paths_greedy_output(target, drafts, monke
     monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
     without_c = [o.token_ids for o in make().generate(prompts(8), GREEDY, use_progress=False)]
     assert with_c == without_c
+
+
+@pytest.mark.parametrize("draft", ["ngram", "draft"])
+def test_auto_dtype_without_bf16_dot_is_fp32_with_fp16_weights(target, drafts, monkeypatch, draft):
+    """--dtype auto on a CPU without AVX512-BF16 (here the AVX2 build): fp32 activations with
+    every linear's weights packed in fp16. Speculation keeps its greedy output, bit for bit, with
+    lookahead across blocks, preemption and chunked prefill (which takes the K-blocked path)."""
+    import functools
+
+    import kernels
+
+    monkeypatch.setenv("NANOSPEC_ISA", "avx2")
+    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
+    if kernels.cpu_isa() != "avx2" or kernels.cpu_kernels() is None:
+        pytest.skip("needs the C kernels' AVX2 build")
+
+    def run(**spec):
+        llm = LLM(target[0], block_size=2, num_blocks=40, max_num_batched_tokens=24, **spec)
+        outs = llm.generate(prompts(8), GREEDY, use_progress=False)
+        return llm, [o.token_ids for o in outs]
+
+    plain, plain_ids = run()
+    packed = {
+        m.packed.dtype for m in plain.model.modules() if getattr(m, "packed", None) is not None
+    }
+    assert plain.dtype == torch.float32 and packed == {torch.float16}
+    spec, spec_ids = run(draft=drafts[draft], num_spec_tokens=3)
+    assert spec_ids == plain_ids and spec.stats["preemptions"] > 0
