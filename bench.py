@@ -357,7 +357,7 @@ def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[
     return counts
 
 
-def bench_kernels(model=None, dtype="auto"):
+def bench_kernels(argv=None):
     """Linears at M=1 (weight-read GB/s beside a plain read of the same bytes), M=64 and 256
     (GFLOP/s beside torch's fp32 GEMM and, on bf16 CPUs, oneDNN's bf16 GEMM), whole forwards of
     T=1, 5, 9 at contexts 100 and 700, and the instructions per FMA of the linear's loops."""
@@ -367,7 +367,11 @@ def bench_kernels(model=None, dtype="auto"):
     from goodput import time_forward
     from sequence import Sequence
 
-    llm = LLM(model, dtype=dtype, kv_cache_gib=0.25)
+    p = argparse.ArgumentParser(description="nanospec CPU kernels against this machine's limits")
+    p.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    args = p.parse_args(argv)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=0.25)
     linears = {
         id(m.packed): m for m in llm.model.modules() if getattr(m, "packed", None) is not None
     }
@@ -382,7 +386,8 @@ def bench_kernels(model=None, dtype="auto"):
         return lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
 
     print(
-        f"{machine_info(llm.dtype, 'cpu')['cpu']} · {kernels.kernels_summary('cpu')} · {llm.dtype}"
+        f"{machine_info(llm.dtype, 'cpu')['cpu']} · {kernels.kernels_summary('cpu')} · "
+        f"{llm.dtype}{kernels.weights_summary(llm.model)}"
     )
     print(f"{len(linears)} linears, {weight_bytes / 1e6:.0f} MB of weights")
     plain_read = best_of(lambda: [m.packed.view(torch.float32).sum() for m in linears])
@@ -427,4 +432,4 @@ def bench_kernels(model=None, dtype="auto"):
 
 
 if __name__ == "__main__":
-    bench_kernels() if sys.argv[1:2] == ["kernels"] else main()
+    bench_kernels(sys.argv[2:]) if sys.argv[1:2] == ["kernels"] else main()
