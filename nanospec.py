@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import controls
 import kernels
 from kernels import AttentionContext
 from models import eos_token_ids, load_model, load_tokenizer, require
@@ -39,6 +40,18 @@ class SamplingParams:
     num_spec_tokens: int | None = None  # per-request K (0: this request never speculates)
     # per token: the sampled token's and the N most likely tokens' log-probs
     logprobs: int | None = None
+    # vLLM's controls (controls.py): penalties over the history, min_p, biases, allowed tokens
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # structured output, at most one: a JSON schema (dict or str), a regex, a Lark grammar, choices
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -56,6 +69,7 @@ class SamplingParams:
         }
         for name, ok in checks.items():
             require(ok, f"SamplingParams.{name} has an invalid value: {getattr(self, name)!r}")
+        controls.check_params(self)
 
 
 class Sequence:

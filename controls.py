@@ -1,0 +1,173 @@
+# controls: the sampling controls beyond temperature / top-k / top-p (repetition, presence and
+# frequency penalties, min_p, logit_bias, allowed_token_ids) and structured output (JSON schema,
+# regex, Lark grammar, choice) through llguidance. Each is a function of a logits row and the token
+# history before it, nothing else: under speculation, verify row j is processed with the history
+# plain decoding would have there (output so far + the path's earlier drafts), so it gets plain
+# decoding's numbers bit for bit. It must never read the step, the batch or another row.
+import json
+import math
+
+import numpy as np
+import torch
+
+from models import require
+
+STRUCTURED = ("json_schema", "regex", "grammar", "choice")
+
+
+def check_params(params):
+    """SamplingParams.__post_init__'s checks of the controls, with vLLM's ranges."""
+    bias, allowed = params.logit_bias or {}, params.allowed_token_ids
+    checks = {
+        "repetition_penalty": 0 < params.repetition_penalty < math.inf,
+        "presence_penalty": -2 <= params.presence_penalty <= 2,
+        "frequency_penalty": -2 <= params.frequency_penalty <= 2,
+        "min_p": 0 <= params.min_p <= 1,
+        "logit_bias": all(isinstance(t, int) and -100 <= b <= 100 for t, b in bias.items()),
+        "allowed_token_ids": allowed is None
+        or allowed
+        and all(isinstance(t, int) for t in allowed),
+        "choice": params.choice is None or params.choice and all(params.choice),
+    }
+    for name, ok in checks.items():
+        require(ok, f"SamplingParams.{name} has an invalid value: {getattr(params, name)!r}")
+    given = [name for name in STRUCTURED if getattr(params, name) is not None]
+    require(len(given) <= 1, f"SamplingParams: {' and '.join(given)} given, at most one may be")
+
+
+def check_vocab(params, vocab_size: int):
+    """Token ids must index the model's logits: checked where the vocabulary is known."""
+    for name in ("logit_bias", "allowed_token_ids"):
+        outside = [t for t in getattr(params, name) or () if not 0 <= t < vocab_size]
+        require(
+            not outside,
+            f"SamplingParams.{name} has token ids outside the vocabulary "
+            f"(0..{vocab_size - 1}): {outside[:5]}",
+        )
+
+
+def has_controls(params) -> bool:
+    """Whether process_logits changes anything for these params (else the raw rows are used)."""
+    return (
+        params.repetition_penalty != 1
+        or params.presence_penalty != 0
+        or params.frequency_penalty != 0
+        or params.min_p > 0
+        or bool(params.logit_bias)
+        or params.allowed_token_ids is not None
+    )
+
+
+def process_logits(
+    logits: torch.Tensor,
+    history: list[int],
+    num_prompt_tokens: int,
+    params,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One row of logits [V] -> float32 logits after the controls, in vLLM's order: the grammar's
+    `allowed` mask [V] (bool) and allowed_token_ids, logit_bias, the penalties (repetition over
+    `history`, prompt and output; presence and frequency over the output, history after the
+    prompt), then min_p on the temperature-scaled distribution. Forbidden tokens get -inf."""
+    logits = logits.float().clone()
+    if params.allowed_token_ids is not None:
+        outside = torch.ones_like(logits, dtype=torch.bool)
+        outside[params.allowed_token_ids] = False
+        logits.masked_fill_(outside, -math.inf)
+    if allowed is not None:
+        logits.masked_fill_(~allowed, -math.inf)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias))
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(history, dtype=torch.long).unique()
+        x = logits[seen]
+        logits[seen] = torch.where(
+            x > 0, x / params.repetition_penalty, x * params.repetition_penalty
+        )
+    if params.presence_penalty != 0 or params.frequency_penalty != 0:
+        output = history[num_prompt_tokens:]
+        ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    if params.min_p > 0 and params.temperature > 0:
+        # p < min_p * max p, in logits: no softmax, and nothing that depends on other rows
+        floor = logits.max() + params.temperature * math.log(params.min_p)
+        logits.masked_fill_(logits < floor, -math.inf)
+    return logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Structured output: llguidance (README, "Dependencies"): a matcher per request, fed the committed
+# tokens; drafts are consumed for their masks and rolled back.
+def grammar_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids):
+    """llguidance's view of the vocabulary (~0.3 s to build: one per engine)."""
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+
+
+def grammar_source(field: str, value) -> str:
+    """The llguidance grammar of a request's structured output (field: one of STRUCTURED). JSON
+    comes out as json.dumps writes it (", " and ": "), with no free whitespace to loop on."""
+    from llguidance import LLMatcher
+
+    if field == "json_schema":
+        schema = value if isinstance(value, str) else json.dumps(value)
+        options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if field == "regex":
+        return LLMatcher.grammar_from_regex(value)
+    if field == "grammar":
+        return LLMatcher.grammar_from_lark(value)
+    return LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, value)))  # choice
+
+
+class Grammar:
+    """One request's grammar state: the matcher holds exactly the request's committed tokens."""
+
+    def __init__(self, ll_tokenizer, params):
+        from llguidance import LLMatcher
+
+        field = next(name for name in STRUCTURED if getattr(params, name) is not None)
+        try:
+            self.matcher = LLMatcher(
+                ll_tokenizer, grammar_source(field, getattr(params, field)), log_level=0
+            )
+            problem = self.matcher.get_error()
+        except ValueError as error:  # e.g. a JSON schema that is not JSON
+            problem = str(error)
+        require(not problem, f"SamplingParams.{field} cannot be compiled: {problem}")
+        self.vocab_size = ll_tokenizer.vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size]
+        return torch.from_numpy(mask).bool()
+
+    def draft_masks(
+        self, drafts: list[int], parents: list[int]
+    ) -> tuple[list[int], list[int], torch.Tensor]:
+        """Cut the drafts the grammar forbids (with their subtrees; and every child of a node that
+        ends the grammar: plain decoding stops there) and give each verify row its mask: row 0
+        after the committed tokens, then one per kept draft after its root-to-node path. Returns
+        (kept drafts, their parents re-indexed, masks [1 + kept, V])."""
+        masks, kept, kept_parents = [self.allowed()], [], []
+        row, path, ends = {-1: 0}, {-1: []}, {-1: self.matcher.is_stopped()}
+        for i, (token, parent) in enumerate(zip(drafts, parents)):
+            if parent not in row or ends[parent] or not masks[row[parent]][token]:
+                continue
+            path[i] = path[parent] + [token]
+            self.matcher.consume_tokens(path[i])
+            masks.append(self.allowed())
+            ends[i] = self.matcher.is_stopped()
+            self.matcher.rollback(len(path[i]))
+            row[i] = len(masks) - 1
+            kept.append(token)
+            kept_parents.append(row[parent] - 1)
+        return kept, kept_parents, torch.stack(masks)
+
+    def commit(self, token: int) -> bool:
+        """Feed one emitted token; True when it ends the grammar (the request then stops)."""
+        self.matcher.consume_token(token)
+        return self.matcher.is_stopped()
