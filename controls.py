@@ -46,6 +46,10 @@ def check_vocab(params, vocab_size: int):
         )
 
 
+def structured(params) -> bool:
+    return any(getattr(params, name) is not None for name in STRUCTURED)
+
+
 def has_controls(params) -> bool:
     """Whether process_logits changes anything for these params (else the raw rows are used)."""
     return (
@@ -93,6 +97,36 @@ def process_logits(
         # p < min_p * max p, in logits: no softmax, and nothing that depends on other rows
         floor = logits.max() + params.temperature * math.log(params.min_p)
         logits.masked_fill_(logits < floor, -math.inf)
+    return logits
+
+
+def row_paths(drafts: list[int], parents: list[int]) -> list[list[int]]:
+    """Per verify row (the last token's, then one per draft node): the drafts from the last token
+    to it, which plain decoding would have emitted before sampling there."""
+    paths = [[]]
+    for token, parent in zip(drafts, parents):
+        paths.append(paths[parent + 1] + [token])
+    return paths
+
+
+def apply(owners: list[tuple], logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] after each request's controls and grammar. owners: (sequence, paths) in row
+    order, one path per row (row_paths): the row is processed with the history sequence.token_ids
+    + path, plain decoding's at that position. Returns logits itself when nothing applies, else
+    a float32 copy (the raw rows stay for logprobs)."""
+    active = [seq.grammar is not None or has_controls(seq.params) for seq, _ in owners]
+    if not any(active):
+        return logits
+    logits, start = logits.to(torch.float32, copy=True), 0
+    for (seq, paths), on in zip(owners, active):
+        for row, path in enumerate(paths, start):
+            if on:
+                allowed = seq.grammar and seq.grammar.allowed_after(path)
+                history = seq.token_ids + path
+                logits[row] = process_logits(
+                    logits[row], history, seq.num_prompt_tokens, seq.params, allowed
+                )
+        start += len(paths)
     return logits
 
 
@@ -145,27 +179,32 @@ class Grammar:
         mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size]
         return torch.from_numpy(mask).bool()
 
-    def draft_masks(
-        self, drafts: list[int], parents: list[int]
-    ) -> tuple[list[int], list[int], torch.Tensor]:
-        """Cut the drafts the grammar forbids (with their subtrees; and every child of a node that
-        ends the grammar: plain decoding stops there) and give each verify row its mask: row 0
-        after the committed tokens, then one per kept draft after its root-to-node path. Returns
-        (kept drafts, their parents re-indexed, masks [1 + kept, V])."""
-        masks, kept, kept_parents = [self.allowed()], [], []
-        row, path, ends = {-1: 0}, {-1: []}, {-1: self.matcher.is_stopped()}
+    def prune(self, drafts: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+        """Cut the drafts the grammar forbids after their root-to-node path, with their subtrees,
+        before they take a verify row. Returns the kept drafts and their parents re-indexed."""
+        kept, kept_parents, index, paths = [], [], {-1: -1}, {-1: []}
         for i, (token, parent) in enumerate(zip(drafts, parents)):
-            if parent not in row or ends[parent] or not masks[row[parent]][token]:
-                continue
-            path[i] = path[parent] + [token]
-            self.matcher.consume_tokens(path[i])
-            masks.append(self.allowed())
-            ends[i] = self.matcher.is_stopped()
-            self.matcher.rollback(len(path[i]))
-            row[i] = len(masks) - 1
-            kept.append(token)
-            kept_parents.append(row[parent] - 1)
-        return kept, kept_parents, torch.stack(masks)
+            path = paths[parent] + [token] if parent in index else []
+            if path and self.matcher.validate_tokens(path) == len(path):  # consumes nothing
+                paths[i], index[i] = path, len(kept)
+                kept.append(token)
+                kept_parents.append(index[parent])
+        return kept, kept_parents
+
+    def allowed_after(self, path: list[int]) -> torch.Tensor:
+        """[V] bool: the tokens allowed after the committed tokens and `path` (grammar-valid), then
+        back to the committed state. Tokens after the grammar's end are not fed: plain decoding
+        stops there, so what their rows give is never emitted (and llguidance does not count a
+        token fed after the end when rolling back)."""
+        fed = 0
+        for token in path:
+            if self.matcher.is_stopped():
+                break
+            self.matcher.consume_token(token)
+            fed += 1
+        allowed = self.allowed()
+        self.matcher.rollback(fed)
+        return allowed
 
     def commit(self, token: int) -> bool:
         """Feed one emitted token; True when it ends the grammar (the request then stops)."""

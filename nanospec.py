@@ -5,6 +5,7 @@
 # same sampling (greedy: the same tokens).
 import argparse
 import bisect
+import functools
 import heapq
 import inspect
 import itertools
@@ -90,6 +91,8 @@ class Sequence:
         self.text: str | None = None  # set at finish; truncated at a stop string
         self.stop_text, self.decode_offsets = "", (self.num_prompt_tokens,) * 2  # for stop strings
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
+        self.num_pruned = 0  # drafts the grammar cut before verification (not in num_drafted)
+        self.grammar: controls.Grammar | None = None
         self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
         # steps that drafted a token there after accepting all before
         self.reached_per_position = Counter()
@@ -128,6 +131,7 @@ class RequestOutput:
     ttft: float
     tpot: float
     latency: float
+    num_draft_tokens_pruned: int = 0  # drafts the grammar cut before verification
 
 
 @dataclass(slots=True)
@@ -235,6 +239,9 @@ def accept(sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[lis
     """(accepted path of draft indices, next token) per sequence, from its rows of logits: the
     coupled acceptance for greedy and seeded requests, the rejection sampler for the others."""
     starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
+    logits = controls.apply(
+        [(it.seq, controls.row_paths(it.drafts, it.parents)) for it in sampling], logits
+    )
     # the step's one host sync; max: 2x faster than bf16 argmax
     best = logits.max(-1).indices.tolist()
     return [
@@ -519,7 +526,9 @@ class MLPProposer:
 
 def sample_drafts(items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
     """Sample one draft token per item from the draft's probabilities (same temperature, top-k and
-    top-p as the target) and keep those probabilities for the rejection sampler."""
+    top-p as the target, and the same controls and grammar: a draft the grammar forbids would be
+    cut, which the rejection sampler does not allow for) and keep those probabilities for it."""
+    logits = controls.apply([(item.seq, [item.drafts]) for item in items], logits)
     probs = logits_to_probs(logits, [item.seq for item in items])
     for item, p in zip(items, probs):
         # The noise of the position the draft is for: where the target samples with the same noise
@@ -918,9 +927,18 @@ class LLMEngine:
             f"request needs {needed} KV blocks but the pool has "
             f"{self.blocks.num_blocks}: raise num_blocks / kv_cache_gib or lower max_tokens",
         )
+        controls.check_vocab(params, vocab)
+        grammar = controls.structured(params) and controls.Grammar(self.grammar_tokenizer, params)
         seq = Sequence(prompt, params, self.device)
+        seq.grammar = grammar or None
         self.scheduler.waiting.append(seq)
         return seq
+
+    @functools.cached_property
+    def grammar_tokenizer(self):
+        require(self.tokenizer is not None, "structured output needs the model's tokenizer.json")
+        json_text = self.tokenizer.tokenizer.to_str()
+        return controls.grammar_tokenizer(json_text, self.model.vocab_size, self.eos_ids)
 
     def abort(self, seq: Sequence):
         self.scheduler.remove(seq)
@@ -1046,6 +1064,13 @@ class LLMEngine:
         started = time.perf_counter()
         if speculating:
             self.proposer.propose(self, speculating)
+        for it in speculating:  # no verify row for a draft the grammar forbids
+            if it.samples and it.seq.grammar:
+                num_drafts = len(it.drafts)
+                it.drafts, it.parents = it.seq.grammar.prune(it.drafts, it.parents)
+                it.seq.num_pruned += num_drafts - len(it.drafts)
+                if it.draft_probs is not None:  # model drafts: chains
+                    it.draft_probs = it.draft_probs[: len(it.drafts)]
         proposed = time.perf_counter()
         # Verify: one target forward over every sequence's new tokens plus its drafts.
         batch = [
@@ -1140,7 +1165,8 @@ class LLMEngine:
 
     def check_stop(self, seq: Sequence) -> bool:
         p, last = seq.params, seq.token_ids[-1]
-        if (not p.ignore_eos and last in self.eos_ids) or last in (p.stop_token_ids or ()):
+        eos = not p.ignore_eos and last in self.eos_ids
+        if eos or last in (p.stop_token_ids or ()) or (seq.grammar and seq.grammar.commit(last)):
             seq.finish_reason = "stop"
         # match on the decoded output, searching only where the new text could complete a stop
         elif p.stop:
@@ -1185,6 +1211,7 @@ class LLMEngine:
             ttft=first - seq.arrival_time,
             tpot=(seq.finish_time - first) / max(len(seq.output_ids) - 1, 1),
             latency=seq.finish_time - seq.arrival_time,
+            num_draft_tokens_pruned=seq.num_pruned,
         )
 
 
@@ -1261,6 +1288,10 @@ def parse_args(argv=None):
         type=int,
         help="run without speculation while more than this many sequences are running",
     )
+    for name in ("repetition-penalty", "presence-penalty", "frequency-penalty", "min-p"):
+        p.add_argument(f"--{name}", type=float)
+    p.add_argument("--json-schema", help="a JSON schema file: the output is JSON that validates")
+    p.add_argument("--regex", help="the output matches this regular expression")
     for name in (
         "block-size",
         "num-blocks",
@@ -1305,6 +1336,7 @@ def spec_metrics(outputs: list[RequestOutput]) -> dict:
     return {
         "drafted": num_drafted,
         "accepted": num_accepted,
+        "pruned": sum(o.num_draft_tokens_pruned for o in outputs),
         "mean_accepted_length": 1 + num_accepted / steps if steps else None,
         "nodes_per_step": num_drafted / steps if steps else None,
         "acceptance_per_position": [accepted[i] / drafted[i] for i in sorted(drafted)],
@@ -1329,7 +1361,7 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     if llm.proposer is not None:
         m = spec_metrics(outputs)  # None per step when no step speculated: 1 token a step, 0 nodes
         rows |= {
-            "drafted tokens": m["drafted"],
+            "drafted tokens (cut by grammar)": f"{m['drafted']} ({m['pruned']})",
             "accepted tokens": m["accepted"],
             "mean accepted length": f"{m['mean_accepted_length'] or 1:.2f}",
             "nodes verified per step": f"{m['nodes_per_step'] or 0:.2f}",
@@ -1353,8 +1385,12 @@ def main(argv=None) -> int:
     engine_args = inspect.signature(LLMEngine.__init__).parameters
     settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
     try:
-        sampling = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs")
-        params = SamplingParams(**{name: getattr(args, name) for name in sampling})
+        sampling = "temperature top_p top_k max_tokens seed ignore_eos logprobs regex min_p".split()
+        sampling += ["repetition_penalty", "presence_penalty", "frequency_penalty"]
+        given = {name: getattr(args, name) for name in sampling if getattr(args, name) is not None}
+        if args.json_schema:
+            given["json_schema"] = open(args.json_schema).read()
+        params = SamplingParams(**given)
         llm = LLM(**settings)
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         prompts = prompts or ["Write a short poem about the sea."]

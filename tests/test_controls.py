@@ -151,31 +151,38 @@ SCHEMA = {
 }
 
 
-def test_draft_masks_follow_each_path_and_cut_forbidden_drafts(ll_tokenizer):
+def test_prune_cuts_forbidden_drafts_and_masks_follow_each_path(ll_tokenizer):
     params = SamplingParams(json_schema=SCHEMA)
     grammar = controls.Grammar(ll_tokenizer, params)
-    for t in ids('{"n": 1'):
+    committed = ids('{"n": 1')
+    for t in committed:
         assert not grammar.commit(t)
     before = grammar.allowed()
-    # a tree: "2" -> {",", "x" (forbidden) -> "3"}, "," -> " " -> '"', then "5", "}" (forbidden:
+    # a tree: "2" -> {",", "x" (forbidden) -> "3"}, "," -> " " -> '"', then "5", and "}" (forbidden:
     # "tag" is required)
-    drafts = ids("2,x3 ") + ids('"') + ids("5}")
-    parents = [-1, 0, 0, 2, 1, 4, -1, -1]
-    kept, kept_parents, masks = grammar.draft_masks(drafts, parents)
+    drafts, parents = ids("2,x3 ") + ids('"') + ids("5}"), [-1, 0, 0, 2, 1, 4, -1, -1]
+    kept, kept_parents = grammar.prune(drafts, parents)
     assert kept == ids('2, "5')
     assert kept_parents == [-1, 0, 1, 2, -1]
-    paths = [[], ids("2"), ids("2,"), ids("2, "), ids('2, "'), ids("5")]
-    for mask, path in zip(masks, paths):
-        assert torch.equal(mask, allowed_after(ll_tokenizer, params, ids('{"n": 1') + path))
-    assert torch.equal(grammar.allowed(), before)  # drafts rolled back
+    for path in [[], ids("2"), ids("2,"), ids('2, "'), ids("5")]:
+        got = grammar.allowed_after(path)
+        assert torch.equal(got, allowed_after(ll_tokenizer, params, committed + path))
+        assert torch.equal(grammar.allowed(), before)  # rolled back to the committed tokens
 
 
-def test_grammar_end_stops_and_cuts_what_follows(ll_tokenizer):
-    grammar = controls.Grammar(ll_tokenizer, SamplingParams(choice=["yes", "no"]))
-    kept, _, masks = grammar.draft_masks(ids("yes") + [2, ids("s")[0]], [-1, 0, 1, 2, 3])
-    assert kept == ids("yes")  # plain decoding ends after "yes": nothing after it is verified
-    assert masks[-1].nonzero().flatten().tolist() == [2]  # only EOS may follow
+def test_grammar_end_stops_the_request(ll_tokenizer):
+    grammar = controls.Grammar(ll_tokenizer, grammar_params())
+    kept, _ = grammar.prune(ids("yes") + [2] + ids("s"), [-1, 0, 1, 2, 3])
+    assert kept == ids("yes") + [2]  # only EOS may follow "yes"
+    assert grammar.allowed_after(ids("yes")).nonzero().flatten().tolist() == [2]
+    # past the end nothing is fed (the row is never used), and the matcher stays as it was
+    assert grammar.allowed_after(ids("yes") + [2, 2]).nonzero().flatten().tolist() == [2]
+    assert torch.equal(grammar.allowed(), allowed_after(ll_tokenizer, grammar_params(), []))
     assert [grammar.commit(t) for t in ids("yes")] == [False, False, True]
+
+
+def grammar_params():
+    return SamplingParams(choice=["yes", "no"])
 
 
 @pytest.mark.parametrize(
