@@ -8,6 +8,9 @@ import argparse
 import json
 import os
 import platform
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -289,7 +292,6 @@ def main(argv=None):
             col, justify="left" if col in ("method", "acc/pos", "K per step") else "right"
         )
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
-    # noqa: E731
     ms = lambda r, key, f: f"{1000 * r[key + '_p50']:{f}}/{1000 * r[key + '_p90']:{f}}"
     for r in results:
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_plain"]]
@@ -317,5 +319,112 @@ def main(argv=None):
             json.dump({"args": vars(args), "machine": machine, "results": results}, f, indent=1)
 
 
+# ---------------------------------------------------------------------------------------------
+# `python bench.py kernels`: the CPU kernels against this machine's own limits, in one process.
+def best_of(fn, repeat: int = 5) -> float:
+    """The fastest of `repeat` timed calls, seconds (the minimum: noise only ever adds time)."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[tuple[int, int]]:
+    """(instructions, FMAs) of each innermost loop with FMAs (or bf16 dot products) in the
+    disassembly of `function`: a number that does not depend on how wide this machine's core is.
+    A loop is a backward jump; innermost: no other loop inside it."""
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", library], capture_output=True)
+    body = listing.stdout.decode().split(f"<{function}>:\n", 1)[1].split("\n\n", 1)[0]
+    rows = [re.match(r"\s*([0-9a-f]+):\s+(\S+)\s*([0-9a-f]*)", line) for line in body.splitlines()]
+    code = [(int(m[1], 16), m[2], m[3]) for m in rows if m]
+    index = {address: i for i, (address, _, _) in enumerate(code)}
+    loops = [
+        (index[int(target, 16)], i)
+        for i, (address, op, target) in enumerate(code)
+        if op.startswith("j") and target and int(target, 16) <= address
+    ]
+    inner = [
+        (a, b) for a, b in loops if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in loops)
+    ]
+    counts = []
+    for a, b in inner:
+        ops = [op for _, op, _ in code[a : b + 1]]
+        fmas = sum(op.startswith(("vfmadd", "vdpbf16")) for op in ops)
+        if fmas:
+            counts.append((len(ops), fmas))
+    return counts
+
+
+def bench_kernels(model=None, dtype="auto"):
+    """Linears at M=1 (weight-read GB/s beside a plain read of the same bytes), M=64 and 256
+    (GFLOP/s beside torch's fp32 GEMM and, on bf16 CPUs, oneDNN's bf16 GEMM), whole forwards of
+    T=1, 5, 9 at contexts 100 and 700, and the instructions per FMA of the linear's loops."""
+    import torch.nn.functional as F
+
+    import kernels
+    from goodput import time_forward
+    from sequence import Sequence
+
+    llm = LLM(model, dtype=dtype, kv_cache_gib=0.25)
+    linears = {
+        id(m.packed): m for m in llm.model.modules() if getattr(m, "packed", None) is not None
+    }
+    linears = list(linears.values())
+    weight_bytes = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    macs = sum(m.in_features * m.out_features for m in linears)
+
+    def run_linears(rows: int, dtype=torch.float32, weights=None):
+        xs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
+        if weights is None:
+            return lambda: [m(xs[m.in_features].to(llm.dtype)) for m in linears]
+        return lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
+
+    print(
+        f"{machine_info(llm.dtype, 'cpu')['cpu']} · {kernels.kernels_summary('cpu')} · {llm.dtype}"
+    )
+    print(f"{len(linears)} linears, {weight_bytes / 1e6:.0f} MB of weights")
+    plain_read = best_of(lambda: [m.packed.view(torch.float32).sum() for m in linears])
+    linear_1 = best_of(run_linears(1))
+    print(
+        f"M=1: {weight_bytes / linear_1 / 1e9:.1f} GB/s ({1e3 * linear_1:.1f} ms); a plain read "
+        f"of the same bytes: {weight_bytes / plain_read / 1e9:.1f} GB/s"
+    )
+    fp32_weights = [torch.randn(m.out_features, m.in_features) for m in linears]
+    bf16_native = kernels.cpu_isa() == "avx512bf16"  # (not under NANOSPEC_ISA=avx2)
+    for rows in (64, 256):
+        flop = 2 * rows * macs
+        ours = best_of(run_linears(rows), 3)
+        line = f"M={rows}: {flop / ours / 1e9:.0f} GFLOP/s; torch fp32 GEMM "
+        line += f"{flop / best_of(run_linears(rows, weights=fp32_weights), 3) / 1e9:.0f}"
+        if bf16_native:
+            bf16_weights = [w.bfloat16() for w in fp32_weights]
+            onednn = best_of(run_linears(rows, torch.bfloat16, bf16_weights), 3)
+            line += f"; oneDNN bf16 GEMM {flop / onednn / 1e9:.0f}"
+        print(line)
+    probe = Sequence(list(range(1000, 1000 + 720)), SamplingParams(), llm.device)
+    assert llm.blocks.ensure_slots(probe, len(probe)), "the KV pool is too small for the probe"
+    for context in (100, 700):
+        time_forward(llm, probe, context, 0)  # the cache holds the context
+        times = {
+            t: best_of(lambda t=t, c=context: time_forward(llm, probe, t, c)) for t in (1, 5, 9)
+        }
+        print(
+            f"forward, context {context}: "
+            + ", ".join(f"T={t} {1e3 * s:.1f} ms ({s / times[1]:.2f}x)" for t, s in times.items())
+        )
+    llm.blocks.free(probe)
+    # Each tile shape and dtype is its own loop: the widest tiles (most FMAs) are what decode,
+    # verify and prefill spend their time in.
+    loops = sorted(set(loop_instructions(kernels.cpu_kernels()._name)), key=lambda c: -c[1])
+    per_fma = sorted(i / f for i, f in loops)
+    print(
+        f"linear's {len(loops)} inner loops: {per_fma[0]:.2f}-{per_fma[-1]:.2f} instructions a FMA "
+        f"(median {per_fma[len(loops) // 2]:.2f}); the widest: "
+        + ", ".join(f"{i} for {f} FMAs" for i, f in loops[:4])
+    )
+
+
 if __name__ == "__main__":
-    main()
+    bench_kernels() if sys.argv[1:2] == ["kernels"] else main()

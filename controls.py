@@ -4,6 +4,7 @@
 # history before it, nothing else: under speculation, verify row j is processed with the history
 # plain decoding would have there (output so far + the path's earlier drafts), so it gets plain
 # decoding's numbers bit for bit. It must never read the step, the batch or another row.
+import functools
 import json
 import math
 
@@ -44,10 +45,6 @@ def check_vocab(params, vocab_size: int):
             f"SamplingParams.{name} has token ids outside the vocabulary "
             f"(0..{vocab_size - 1}): {outside[:5]}",
         )
-
-
-def structured(params) -> bool:
-    return any(getattr(params, name) is not None for name in STRUCTURED)
 
 
 def has_controls(params) -> bool:
@@ -133,11 +130,37 @@ def apply(owners: list[tuple], logits: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Structured output: llguidance (README, "Dependencies"): a matcher per request, fed the committed
 # tokens; drafts are consumed for their masks and rolled back.
-def grammar_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids):
-    """llguidance's view of the vocabulary (~0.3 s to build: one per engine)."""
+def check_request(engine, params) -> "Grammar | None":
+    """add_request's checks of the controls that need the engine's model (token ids in the
+    vocabulary, the grammar compiles): a ValueError naming the field, before the request joins a
+    batch. Returns the request's compiled grammar, if it has one."""
+    vocab_size = engine.model.vocab_size
+    check_vocab(params, vocab_size)
+    if all(getattr(params, name) is None for name in STRUCTURED):
+        return None
+    require(engine.tokenizer is not None, "structured output needs the model's tokenizer.json")
+    json_text, eos_ids = engine.tokenizer.tokenizer.to_str(), tuple(sorted(engine.eos_ids))
+    return Grammar(grammar_tokenizer(json_text, vocab_size, eos_ids), params)
+
+
+@functools.cache
+def grammar_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: tuple):
+    """llguidance's view of the vocabulary (~0.3 s to build: one per tokenizer)."""
     import llguidance
 
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
+
+
+def prune_drafts(items):
+    """Cut the drafts each ScheduledSeq's grammar forbids, before verification; count them apart
+    (Sequence.num_pruned). Model drafts are chains: their probabilities keep the kept prefix."""
+    for it in items:
+        if it.samples and it.seq.grammar:
+            num_drafts = len(it.drafts)
+            it.drafts, it.parents = it.seq.grammar.prune(it.drafts, it.parents)
+            it.seq.num_pruned += num_drafts - len(it.drafts)
+            if it.draft_probs is not None:
+                it.draft_probs = it.draft_probs[: len(it.drafts)]
 
 
 def grammar_source(field: str, value) -> str:

@@ -5,6 +5,7 @@
 // rows, queries or threads the call has: that is what makes speculation bit-exact (DESIGN.md,
 // "Exactness"). The caller owns every buffer; nothing here allocates or keeps state.
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -61,10 +62,6 @@ static inline void store_vf(void *p, vf v, int is_bf16) {  // rounded to nearest
     __builtin_memcpy(p, &h, sizeof h);
 }
 
-static inline float load_f(const void *p, int64_t i, int is_bf16) {
-    return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
-}
-
 static inline vi iota(void) {
     vi v;
     for (int i = 0; i < LANES; i++) v[i] = i;
@@ -91,144 +88,203 @@ static inline float hmax(vf v) {  // a max is exact in any order
 // columns (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows, K to an even
 // count), walked in pairs of k: fp32 w[panel][k / 2][2][16], bf16 w[panel][k / 2][16][2], a bf16
 // pair (k, k + 1) sharing one 32-bit word. The AVX512-BF16 dot product reads that word as is; the
-// FMA path widens its halves exactly with one shift and one mask. A tile of ROWS x PANELS outputs
-// keeps its accumulators in registers and reads each weight element once for all its rows, so
-// small-M steps (decode, verify) stream the weights once: memory bound, and verifying K+1 rows
-// costs about what one row does. Accumulators: 6 rows x 4 panels = 24 of AVX-512's 32 vector
-// registers; 6 x 1 panel x 2 vectors = 12 of AVX2's 16; 2 x 1 x 4 = 8 of the generic 16. Each
-// output y[m, n] is one fixed chain from zero, then + bias, the same for any M, tile shape or
-// thread count: fp32 FMAs over k = 0..K-1, or, with AVX512-BF16 (x and W both bf16), one vdpbf16ps
-// per pair of k (two exact products added to the fp32 sum), twice the MACs per instruction.
+// FMA path widens its halves exactly with one shift (k) and one mask (k + 1), so one load serves
+// two k.
+//
+// Each output y[m, n] is one fixed chain from zero, then + bias: fp32 FMAs over k = 0..K-1 (x in
+// fp32), or, with AVX512-BF16 (x and W both bf16), one vdpbf16ps per pair of k (two exact products
+// added to the fp32 sum), twice the MACs per instruction. The chain never depends on M, the tile
+// shape or the thread count, so every row is bitwise the same whatever the step around it.
+//
+// A tile of R rows x P panels keeps its R * P * PV accumulators in registers for the whole of K and
+// reads each weight once for its R rows: a decode or verify step (M <= 6) streams the weights from
+// memory exactly once, so verifying K+1 rows costs little more than one. Prefill (large M) walks
+// the same tiles over row blocks of 6: a thread's weights come back from its L2 for each block,
+// widened again (2 instructions per 24 FMAs on AVX2), while x is broadcast straight from memory.
+// What makes it fast is what the loop does not do: every shape and dtype is a compile-time
+// constant (no flag tests, no spilled row pointers), and x is fp32 before the call, so a broadcast
+// is one load. `bench.py kernels` counts the instructions per FMA of the inner loops.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
-#define MAX_ROWS (LANES == 4 ? 2 : 6)
-#define PANELS (LANES == 16 ? 4 : 1)
-// A tile prefetches the weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
+#if LANES == 16
+#define MAX_ACC 24  // of AVX-512's 32 vector registers: the rest hold weights and x
+#define MAX_ROWS 6
+#elif LANES == 8
+#define MAX_ACC 12  // of AVX2's 16
+#define MAX_ROWS 6
+#else
+#define MAX_ACC 8  // of SSE's 16 (128-bit)
+#define MAX_ROWS 2
+#endif
+// The most panels a tile of R rows takes: up to 4 (64 columns), so that even one row has enough
+// independent chains to hide the FMA latency.
+#define PANELS_FOR(R) (MAX_ACC / ((R)*PV) < 4 ? MAX_ACC / ((R)*PV) : 4)
+// A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
-// on AVX2).
+// on AVX2, session 10).
 #define AHEAD 32
 
-// Weights of k = 2 * (pair_row % K2) + half for LANES columns (v: which slice of the panel's 16).
-static inline vf load_half(const void *w, int64_t pair_row, int v, int half, int w_bf16) {
+static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
+
+// The weights of one half (k even: 0, odd: 1) of a pair for LANES columns (v: which slice of 16).
+static inline vf widen(const char *pair, int v, int half, const int w_bf16) {
     vf wk;
-    if (w_bf16) {
-        vu u;
-        __builtin_memcpy(&u, (const uint32_t *)w + pair_row * PANEL + v * LANES, sizeof u);
-        return (vf)(half ? u & 0xFFFF0000u : u << 16);
+    if (!w_bf16) {
+        __builtin_memcpy(&wk, pair + (half * PANEL + v * LANES) * 4, sizeof wk);
+        return wk;
     }
-    __builtin_memcpy(&wk, (const float *)w + (pair_row * 2 + half) * PANEL + v * LANES, sizeof wk);
-    return wk;
+    vu u;
+    __builtin_memcpy(&u, pair + v * LANES * 4, sizeof u);
+    return (vf)(half ? u & 0xFFFF0000u : u << 16);
 }
 
-// x[i] low, x[i + 1] (or 0) high
-static inline uint32_t x_pair(const bf16 *x, int64_t i, int both) {
-    uint32_t pair = x[i];
-    if (both) __builtin_memcpy(&pair, x + i, 4);
-    return pair;
-}
-
-static inline __attribute__((always_inline)) void
-linear_tile(const void *x, const void *w, const void *bias, void *y, int rows, int panels,
-            int64_t m0, int p0, int N, int K, int x_bf16, int w_bf16, int y_bf16) {
-    vf acc[MAX_ROWS][PANELS * PV] = {};
-    int64_t K2 = (K + 1) / 2, y_elem = y_bf16 ? 2 : 4;
-#if defined(__AVX512BF16__)
-    if (x_bf16 && w_bf16) {
-        for (int64_t kp = 0; kp < K2; kp++) {
-            __m512bh wk[PANELS];
-            for (int p = 0; p < panels; p++) {
-                wk[p] = (__m512bh)_mm512_loadu_si512((const uint32_t *)w +
-                                                     ((p0 + p) * K2 + kp) * PANEL);
-                __builtin_prefetch((const uint32_t *)w + ((p0 + p) * K2 + kp + AHEAD) * PANEL);
-            }
-            for (int r = 0; r < rows; r++) {
-                __m512bh xk =
-                    (__m512bh)_mm512_set1_epi32(x_pair(x, (m0 + r) * K + 2 * kp, 2 * kp + 1 < K));
-                for (int p = 0; p < panels; p++)
-                    acc[r][p] = (vf)_mm512_dpbf16_ps((__m512)acc[r][p], xk, wk[p]);
-            }
-        }
-    } else
-#endif
-        for (int64_t k = 0; k < K;
-             k++) {  // one k at a time: a pair's second half would hold registers
-            vf wk[PANELS * PV];
-            for (int v = 0; v < panels * PV; v++)
-                wk[v] = load_half(w, (p0 + v / PV) * K2 + k / 2, v % PV, k & 1, w_bf16);
-            // a line a k: fp32 has two a pair of k, bf16 one (fetched twice)
-            for (int p = 0; p < panels; p++)
-                __builtin_prefetch((const char *)w +
-                                   ((p0 + p) * K2 + k / 2 + AHEAD) * PANEL * (w_bf16 ? 4 : 8) +
-                                   (k & 1) * 64);
-            for (int r = 0; r < rows; r++) {
-                vf xk = (vf){} + load_f(x, (m0 + r) * K + k, x_bf16);
-                for (int v = 0; v < panels * PV; v++)
-                    acc[r][v] += xk * wk[v];  // contracted to an FMA
-            }
-        }
-    for (int r = 0; r < rows; r++)
-        for (int v = 0; v < panels * PV; v++) {
-            int n0 = (p0 + v / PV) * PANEL + v % PV * LANES;
+// y rows m0.. of the tile, + bias, rounded to bf16 or stored as fp32; the last panel may be
+// partial.
+static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t m0, int p0, int N,
+                              const int R, const int P, int y_bf16) {
+    int elem = y_bf16 ? 2 : 4;
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < P * PV; v++) {
+            int n0 = p0 * PANEL + v * LANES;
             if (n0 >= N) continue;  // zero padding of the last panel
-            vf out = acc[r][v];
-            char *dst = (char *)y + ((m0 + r) * N + n0) * y_elem, tmp[LANES * 4];
+            vf out = acc[r * P * PV + v];
+            char *dst = (char *)y + ((m0 + r) * N + n0) * elem, tmp[LANES * 4];
             for (int j = 0; bias && j < LANES && n0 + j < N; j++)
-                out[j] += load_f(bias, n0 + j, y_bf16);
+                out[j] +=
+                    y_bf16 ? to_f32(((const bf16 *)bias)[n0 + j]) : ((const float *)bias)[n0 + j];
             store_vf(n0 + LANES <= N ? dst : tmp, out, y_bf16);
-            // the last, partial vector
-            if (n0 + LANES > N) __builtin_memcpy(dst, tmp, (N - n0) * y_elem);
+            if (n0 + LANES > N) __builtin_memcpy(dst, tmp, (N - n0) * elem);  // a partial vector
         }
 }
 
-// One instance per (rows, panels) shape, so every accumulator has a register; x_bf16 / w_bf16 are
-// constant inside each instance too.
-#define TILE(R, P, M0, P0) linear_tile(x, w, bias, y, R, P, M0, P0, N, K, x_bf16, w_bf16, y_bf16)
-static void linear_rows(const void *x, const void *w, const void *bias, void *y, int rows,
-                        int panels, int64_t m0, int p0, int N, int K, int x_bf16, int w_bf16,
-                        int y_bf16) {
-    if (panels == PANELS) {
-        switch (rows) {
-        case 1:
-            TILE(1, PANELS, m0, p0);
-            break;
-        case 2:
-            TILE(2, PANELS, m0, p0);
-            break;
-#if MAX_ROWS == 6
-        case 3:
-            TILE(3, PANELS, m0, p0);
-            break;
-        case 4:
-            TILE(4, PANELS, m0, p0);
-            break;
-        case 5:
-            TILE(5, PANELS, m0, p0);
-            break;
-        case 6:
-            TILE(6, PANELS, m0, p0);
-            break;
+// One tile: rows m0..m0+R-1, panels p0..p0+P-1, pairs of k kp0..kp0+kps-1, with weights at w0
+// (panel p at w0 + p * panel_bytes). R, P and the dtypes are constants in each instance
+// (tile_shape), so the accumulators live in registers. A tile that covers only part of K (prefill's
+// K-blocks) resumes its sums from `partial` and leaves them there: stored and reloaded as fp32, so
+// every output is still one unbroken chain. The last part adds the bias and writes y.
+static inline __attribute__((always_inline)) void
+tile(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int64_t kps, float *partial,
+     const void *bias, void *y, int64_t m0, int p0, int N, int64_t K2, const int R, const int P,
+     const int w_bf16, const int dot, int y_bf16) {
+    vf acc[MAX_ACC];  // acc[(r * P + p) * PV + v]
+    for (int i = 0; i < R * P * PV; i++) acc[i] = (vf){};
+    if (partial && kp0 > 0) __builtin_memcpy(acc, partial + m0 * P * PANEL, R * P * PANEL * 4);
+    const int64_t pair_bytes = PANEL * (w_bf16 ? 4 : 8);  // one panel's weights for a pair of k
+    for (int64_t kp = 0; kp < kps; kp++)
+        for (int p = 0; p < P; p++) {
+            const char *pair = w0 + p * panel_bytes + kp * pair_bytes;
+            for (int line = 0; line < pair_bytes; line += 64)
+                __builtin_prefetch(pair + AHEAD * pair_bytes + line);
+#if defined(__AVX512BF16__)
+            if (dot) {  // x: bf16 rows, a pair of k per 32-bit word
+                __m512bh wk = (__m512bh)_mm512_loadu_si512(pair);
+                for (int r = 0; r < R; r++) {
+                    int32_t xk = ((const int32_t *)x)[(m0 + r) * K2 + kp0 + kp];
+                    acc[r * P + p] = (vf)_mm512_dpbf16_ps((__m512)acc[r * P + p],
+                                                          (__m512bh)_mm512_set1_epi32(xk), wk);
+                }
+                continue;
+            }
 #endif
+            for (int half = 0; half < 2; half++) {  // k = 2 kp, then 2 kp + 1: the chain's order
+                vf wk[PV];
+                for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, w_bf16);
+                for (int r = 0; r < R; r++) {
+                    vf xk = splat(((const float *)x)[(m0 + r) * 2 * K2 + 2 * (kp0 + kp) + half]);
+                    for (int v = 0; v < PV; v++) acc[(r * P + p) * PV + v] += xk * wk[v];  // FMA
+                }
+            }
         }
-    } else {
-        for (int p = 0; p < panels; p++)
-            for (int r = 0; r < rows; r++) TILE(1, 1, m0 + r, p0 + p);
+    if (partial && kp0 + kps < K2)
+        __builtin_memcpy(partial + m0 * P * PANEL, acc, R * P * PANEL * 4);
+    else
+        store_tile(acc, bias, y, m0, p0, N, R, P, y_bf16);
+}
+
+// Every (rows, panels) shape a call can need, each compiled as its own instance; shapes whose
+// accumulators would not fit in registers are never called (linear picks P <= PANELS_FOR(R)).
+#define SHAPE(R, P)                                                                                \
+    case R * 8 + P:                                                                                \
+        if (R * P * PV <= MAX_ACC)                                                                 \
+            tile(x, w0, panel_bytes, kp0, kps, partial, bias, y, m0, p0, N, K2, R, P, w_bf16, dot, \
+                 y_bf16);                                                                          \
+        break;
+#define SHAPES(R) SHAPE(R, 1) SHAPE(R, 2) SHAPE(R, 3) SHAPE(R, 4)
+static inline __attribute__((always_inline)) void
+tile_shape(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int64_t kps,
+           float *partial, const void *bias, void *y, int64_t m0, int p0, int N, int64_t K2,
+           int rows, int panels, const int w_bf16, const int dot, int y_bf16) {
+    switch (rows * 8 + panels) { SHAPES(1) SHAPES(2) SHAPES(3) SHAPES(4) SHAPES(5) SHAPES(6) }
+}
+
+// Prefill's K-blocks: pairs of k widened from bf16 once per block into an L1-resident fp32 copy
+// that every row block of the call then reads (fp32 layout: [panel][pair][2][16]).
+#define KBLOCK 128
+static void widen_block(const char *w, int64_t K2, int p0, int P, int64_t kp0, int64_t kps,
+                        float *out) {
+    for (int p = 0; p < P; p++)
+        for (int64_t kp = 0; kp < kps; kp++)
+            for (int half = 0; half < 2; half++)
+                for (int v = 0; v < PV; v++) {
+                    vf wk = widen(w + ((p0 + p) * K2 + kp0 + kp) * PANEL * 4, v, half, 1);
+                    __builtin_memcpy(out + ((p * kps + kp) * 2 + half) * PANEL + v * LANES, &wk,
+                                     sizeof wk);
+                }
+}
+
+// The tiles of one thread: its share of the panels, in groups as wide as the widest tile of the
+// call allows; every row block walks a group while the group's weights are in this core's cache.
+// With bf16 weights and several row blocks (prefill) the FMA path walks K in blocks, widened once
+// each into `scratch` (KBLOCK * 32 * 4 floats, then M * 64 floats of partial sums).
+static inline __attribute__((always_inline)) void
+linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
+              int first, int last, float *scratch, const int w_bf16, const int dot, int y_bf16) {
+    int group = PANELS_FOR(M < MAX_ROWS ? M : MAX_ROWS);
+    int blocked = w_bf16 && !dot && M > 3 * MAX_ROWS;
+    int64_t kblock = blocked ? KBLOCK : K2;
+    for (int p0 = first; p0 < last; p0 += group) {
+        int panels = last - p0 < group ? last - p0 : group;
+        for (int64_t kp0 = 0; kp0 < K2; kp0 += kblock) {
+            int64_t kps = K2 - kp0 < kblock ? K2 - kp0 : kblock;
+            const char *w0 = (const char *)w + (p0 * K2 + kp0) * PANEL * (w_bf16 ? 4 : 8);
+            int64_t panel_bytes = K2 * PANEL * (w_bf16 ? 4 : 8);
+            if (blocked) {
+                widen_block(w, K2, p0, panels, kp0, kps, scratch);
+                w0 = (const char *)scratch, panel_bytes = kps * PANEL * 8;
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+                int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+                if (blocked)
+                    tile_shape(x, w0, panel_bytes, kp0, kps, scratch + KBLOCK * 32 * 4, bias, y, m0,
+                               p0, N, K2, rows, panels, 0, 0, y_bf16);
+                else
+                    tile_shape(x, w0, panel_bytes, kp0, kps, 0, bias, y, m0, p0, N, K2, rows,
+                               panels, w_bf16, dot, y_bf16);
+            }
+        }
     }
 }
 
-// Each of x, the packed weight w, and y with its bias is bf16 (flag set) or fp32. (kernels.py
-// widens a bf16 x of several rows to fp32 once, rather than once per column group here.)
+// x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: the AVX512-BF16 dot product,
+// W bf16 too). W packed fp32 or bf16 (w_bf16); y and its bias fp32 or bf16 (y_bf16).
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
-            int x_bf16, int w_bf16, int y_bf16, int threads) {
-    int num_panels = (N + PANEL - 1) / PANEL, groups = (num_panels + PANELS - 1) / PANELS;
-// A thread owns whole column groups and walks every row through them: the group's weights stay
-// in its cache while the rows pass, and which thread computes an output never changes its
-// value.
-#pragma omp parallel for schedule(static) num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
-    for (int g = 0; g < groups; g++) {
-        int p0 = g * PANELS, panels = num_panels - p0 < PANELS ? num_panels - p0 : PANELS;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
-            linear_rows(x, w, bias, y, M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS, panels, m0, p0,
-                        N, K, x_bf16, w_bf16, y_bf16);
+            int x_bf16, int w_bf16, int y_bf16, float *scratch, int threads) {
+    int num_panels = (N + PANEL - 1) / PANEL;
+    int64_t K2 = K / 2;
+    if (M == 0) return;  // (no tile shape has 0 rows)
+    // Each thread owns an equal run of panels and walks every row through it: its weights stay in
+    // its cache while the rows pass, and which thread computes an output never changes its value.
+#pragma omp parallel num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        int first = num_panels * t / n, last = num_panels * (t + 1) / n;
+        float *own = scratch ? scratch + t * (KBLOCK * 32 * 4 + M * 64) : 0;  // see linear_panels
+        if (x_bf16)
+            linear_panels(x, w, bias, y, M, N, K2, first, last, own, 1, 1, y_bf16);
+        else if (w_bf16)
+            linear_panels(x, w, bias, y, M, N, K2, first, last, own, 1, 0, y_bf16);
+        else
+            linear_panels(x, w, bias, y, M, N, K2, first, last, own, 0, 0, y_bf16);
     }
 }
 

@@ -44,8 +44,8 @@ class AttentionContext:
 context: AttentionContext | None = None
 
 
-# --------------------------------------------------------------------------------------------- The
-# CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c is
+# ---------------------------------------------------------------------------------------------
+# The CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c is
 # compiled on first use with the system's C compiler into the cache dir and called through ctypes.
 # Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead. The
 # /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (avx512_bf16:
@@ -134,7 +134,7 @@ def cpu_kernels():
     lib = ctypes.CDLL(str(library))
     lib.bf16_dot = isa == "avx512bf16"
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 6
+    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr, i32]
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
@@ -271,14 +271,23 @@ def torch_linear(x, weight, bias=None):
 
 def c_linear(x, packed, bias, out_features):
     """cpu_kernels.c's linear: each output one fixed fp32 chain over k, the weights streamed once
-    per call."""
-    rows = x.reshape(-1, x.shape[-1])
+    per call. (A decode step makes ~120 of these calls: each line here costs about a microsecond
+    a call, so the wrapper does only what the kernel needs.)"""
+    lib, rows = cpu_kernels(), x.reshape(-1, x.shape[-1])
     out = x.new_empty(rows.shape[0], out_features)
-    # The bf16 dot product takes bf16 rows as they are, at every M. For FMAs, several bf16 rows are
-    # widened once here (exactly): in the kernel each column group would redo it.
-    dot = cpu_kernels().bf16_dot and rows.dtype == packed.dtype == torch.bfloat16
-    rows = rows.float() if len(rows) > 1 and not dot else rows.contiguous()
-    cpu_kernels().linear(
+    # The bf16 dot product takes bf16 rows as they are. The FMA path takes fp32 rows, widened here
+    # once (exactly), so that the kernel's broadcast of x[m, k] is a single load. Both walk k in
+    # pairs: an odd K gets a zero column (its weights are zero-padded too).
+    w_bf16 = packed.dtype == torch.bfloat16
+    dot = lib.bf16_dot and w_bf16 and rows.dtype == torch.bfloat16
+    rows = (rows if dot else rows.float()).contiguous()
+    if rows.shape[1] % 2:
+        rows = F.pad(rows, (0, 1))
+    threads = torch.get_num_threads()
+    # Prefill's K-blocks need per-thread room: bf16 weights widened once per block, partial sums.
+    blocked = w_bf16 and not dot and len(rows) > 6
+    scratch = linear_scratch(threads * (128 * 32 * 4 + len(rows) * 64)) if blocked else None
+    lib.linear(
         rows.data_ptr(),
         packed.data_ptr(),
         None if bias is None else bias.data_ptr(),
@@ -286,10 +295,24 @@ def c_linear(x, packed, bias, out_features):
         out.shape[0],
         out_features,
         rows.shape[1],
-        *(t.dtype == torch.bfloat16 for t in (rows, packed, out)),
-        torch.get_num_threads(),
+        dot,
+        w_bf16,
+        out.dtype == torch.bfloat16,
+        None if scratch is None else scratch.data_ptr(),
+        threads,
     )
     return out.view(*x.shape[:-1], out_features)
+
+
+_scratch = torch.empty(0)
+
+
+def linear_scratch(floats: int) -> torch.Tensor:
+    """One buffer reused by every prefill linear (a fresh one each call would cost page faults)."""
+    global _scratch
+    if _scratch.numel() < floats:
+        _scratch = torch.empty(floats)
+    return _scratch
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,3 +65,12 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) ->
     for i, attn in enumerate(layers):
         attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
     return cache
+
+
+def move_kv(caches: list[torch.Tensor], blocks: BlockManager, seq, sources, destinations):
+    """Copy K/V between positions of seq in every cache ([2, layers, blocks, block_size, heads,
+    dim]): an accepted tree path off the first branch moves to the positions its tokens hold."""
+    src, dst = ([blocks.slot(seq, p) for p in positions] for positions in (sources, destinations))
+    for cache in caches:
+        by_slot = cache.flatten(2, 3)
+        by_slot[:, :, dst] = by_slot[:, :, src]

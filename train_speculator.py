@@ -12,12 +12,28 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from bench import read_workload
-from models import load_model
+from models import load_model, require
 from models.mlp_speculator import VOCAB_FILE, MLPSpeculator, tied_name
-from nanospec import LLM, SamplingParams
+from nanospec import LLM
+from sequence import SamplingParams, Sequence
 
-# the pretrained vocabulary head moves ten times slower than the new projections
+# The pretrained vocabulary head moves ten times slower than the new projections.
 HEAD_LR_SCALE = 0.1
+
+
+@torch.inference_mode()
+def hidden_states(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Final-norm hidden states [T, H] of one token sequence, outside any request (borrows KV
+    blocks and gives them back)."""
+    probe = Sequence(token_ids, SamplingParams(), llm.device)
+    require(
+        llm.blocks.ensure_slots(probe, len(token_ids)),
+        f"{len(token_ids)} tokens do not fit in the free KV blocks",
+    )
+    try:
+        return llm.forward(llm.model, [(probe, token_ids, 0)])[0]
+    finally:
+        llm.blocks.free(probe)
 
 
 @torch.inference_mode()
@@ -29,7 +45,7 @@ def collect(llm: LLM, prompts: list, max_tokens: int) -> dict:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     data = {"tokens": [], "hidden": [], "greedy": [], "doc": []}
     for doc, ids in enumerate(out.prompt_token_ids + out.token_ids for out in outs):
-        hidden = llm.hidden_states(ids)
+        hidden = hidden_states(llm, ids)
         data["tokens"].append(torch.tensor(ids))
         data["hidden"].append(hidden.to(torch.bfloat16).cpu())
         data["greedy"].append(llm.model.lm_head(hidden).argmax(-1).cpu())

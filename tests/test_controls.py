@@ -134,7 +134,7 @@ def ids(text: str) -> list[int]:
 def ll_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("chars")
     tiny.write_char_tokenizer(path)
-    return controls.grammar_tokenizer((path / "tokenizer.json").read_text(), V, {2})
+    return controls.grammar_tokenizer((path / "tokenizer.json").read_text(), V, (2,))
 
 
 def allowed_after(ll_tokenizer, params, path: list[int]) -> torch.Tensor:

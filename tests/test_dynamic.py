@@ -5,7 +5,10 @@ import pytest
 import tiny
 from test_engine import GREEDY, prompts
 
-from nanospec import LLM, GoodputChooser, SamplingParams, Sequence, acceptance_estimate, interpolate
+import goodput
+from goodput import GoodputChooser, acceptance_estimate, interpolate, profile_step_costs
+from nanospec import LLM
+from sequence import SamplingParams, Sequence
 
 
 def test_interpolate():
@@ -171,7 +174,7 @@ def test_new_requests_try_drafts_before_the_chooser_may_refuse(models):
     ]
 
 
-def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models):
+def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models, monkeypatch):
     """Sizes up to 64 tokens are timed in three passes and the fastest kept (a burst of other
     work spoils one pass, not the table); larger ones once. The probe's KV blocks go back to the
     pool."""
@@ -181,14 +184,16 @@ def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models):
     )
     calls, free_before = [], llm.blocks.num_free_blocks
 
-    def fake_time(probe, num_tokens, start):  # pass p's time: 1 ms per token, pass 1 a burst (x10)
+    def fake_time(
+        engine, probe, num_tokens, start
+    ):  # pass p's time: 1 ms per token, pass 1 a burst (x10)
         calls.append((num_tokens, start))
         return (
             1e-3 * num_tokens * (10 if calls.count((num_tokens, start)) == 2 else 1) + 1e-5 * start
         )
 
-    llm.time_forward = fake_time
-    table, key_time = llm.profile_verify(128)
+    monkeypatch.setattr(goodput, "time_forward", fake_time)
+    table, key_time = profile_step_costs(llm, 128)
     assert table == pytest.approx({t: 1e-3 * t for t in (1, 2, 4, 8, 16, 32, 64, 128)})
     assert key_time == pytest.approx(1e-5 / 8)  # the context's extra time, per token per cached key
     assert calls.count((128, 0)) == 1 and all(calls.count((t, 0)) == 3 for t in (1, 8, 64))

@@ -5,7 +5,8 @@ import pytest
 import tiny
 import torch
 
-from nanospec import LLM, NgramProposer, SamplingParams
+from nanospec import LLM, SamplingParams
+from proposers import NgramProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -5,7 +5,8 @@ import pytest
 import tiny
 import torch
 
-from nanospec import LLM, SamplingParams, Sequence
+from nanospec import LLM, SamplingParams
+from sequence import Sequence
 
 CASES = {
     "llama": lambda: tiny.llama_like(),

@@ -8,16 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import nanospec
-from nanospec import (
-    SamplingParams,
-    ScheduledSeq,
-    Sequence,
-    accept,
-    logits_to_probs,
-    rejection_sample,
-    sample_drafts,
-)
+import sampling
+from sampling import accept, logits_to_probs, rejection_sample, sample_drafts
+from sequence import SamplingParams, ScheduledSeq, Sequence
 
 V, LENGTH = 5, 3  # vocabulary, and how many tokens each simulated generation keeps
 
@@ -194,9 +187,9 @@ def test_broken_coupling_is_detected(monkeypatch):
 
     broken = simulate_coupled(target, draft, 2, n, False, 0, accept=draft_on_rejection)[0]
     with monkeypatch.context() as patch:
-        noise = nanospec.position_noise
+        noise = sampling.position_noise
         patch.setattr(
-            nanospec, "position_noise", lambda seq, _, vocab, device: noise(seq, 0, vocab, device)
+            sampling, "position_noise", lambda seq, _, vocab, device: noise(seq, 0, vocab, device)
         )
         shared_noise = simulate_coupled(target, draft, 2, n, True, 0)[0]
     for samples in (broken, shared_noise):

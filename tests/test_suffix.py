@@ -6,7 +6,8 @@ import pytest
 import tiny
 from test_engine import GREEDY, plain_outputs, prompts, target  # noqa: F401 (fixtures)
 
-from nanospec import LLM, SamplingParams, SuffixProposer, draft_tree
+from nanospec import LLM, SamplingParams
+from proposers import SuffixProposer, draft_tree
 
 
 def test_draft_tree_scores_by_frequency_and_stops_below_min_prob():

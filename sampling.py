@@ -1,0 +1,193 @@
+# Sampling and lossless acceptance: probabilities after temperature / top-k / top-p, the
+# exponential race keyed by (seed, position), the coupled acceptance (greedy, seeded) and the
+# rejection sampler (unseeded), log-probs, and the sampling of model drafts. It must never emit a
+# token the target would not have produced with the same sampling (greedy: the same tokens).
+import itertools
+
+import torch
+
+import controls
+from sequence import SamplingParams, ScheduledSeq, Sequence
+
+
+def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """[R, V] logits of rows owned by seqs -> float32 probs. Greedy rows become one-hot argmax,
+    which makes the rejection sampler reduce exactly to "accept while draft == argmax"."""
+    params = [s.params for s in seqs]
+    if all(p.temperature == 0 for p in params):  # an all-greedy batch needs no softmax
+        return one_hot_argmax(logits)
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    greedy = temperature == 0
+    probs = torch.softmax(logits.float() / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    # Only the rows with top-k or top-p are filtered and renormalised.
+    filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
+    if filtered:
+        probs[filtered] = top_k_top_p(probs[filtered], [params[i] for i in filtered])
+    if greedy.any():
+        probs[greedy] = one_hot_argmax(logits[greedy])
+    return probs
+
+
+def top_k_top_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    top_k = torch.tensor([p.top_k for p in params], device=probs.device)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=probs.device)[:, None]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    drop = ((top_k > 0) & (rank >= top_k)) | ((top_p < 1) & (mass_before >= top_p))
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0))
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.one_hot(logits.max(-1).indices, logits.shape[-1]).float()
+
+
+def exp_noise(generator: torch.Generator, vocab: int, device) -> torch.Tensor:
+    """[vocab] Exp(1) draws, never 0: some devices draw exact zeros, and 0 / 0 would win the
+    argmax."""
+    noise = torch.empty(vocab, device=device).exponential_(generator=generator)
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def position_noise(seq: Sequence, position: int, vocab: int, device) -> torch.Tensor:
+    """Exp(1) noise for the token at `position` of seq, from a generator keyed by (seed, position):
+    plain decoding and every speculative step draw the same noise for the same token."""
+    generator = torch.Generator(device=device).manual_seed(hash((seq.seed, position)) % 2**63)
+    return exp_noise(generator, vocab, device)
+
+
+def sample_at(probs: torch.Tensor, seq: Sequence, position: int) -> int:
+    """The exponential race argmax(p / E) with the position's noise: an exact sample from p."""
+    if seq.params.temperature == 0:
+        return int(probs.argmax())
+    return int((probs / position_noise(seq, position, probs.shape[-1], probs.device)).argmax())
+
+
+def couples(seq: Sequence) -> bool:
+    """Greedy and seeded requests take the coupled acceptance (accept_coupled): their tokens equal
+    plain decoding's whatever K, proposer or batch. Unseeded sampling takes the rejection sampler,
+    which accepts model drafts more often."""
+    return seq.params.temperature == 0 or seq.params.seed is not None
+
+
+def accept(sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[list[int], int]]:
+    """(accepted path of draft indices, next token) per sequence, from its rows of logits: the
+    coupled acceptance for greedy and seeded requests, the rejection sampler for the others."""
+    starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
+    paths = [(it.seq, controls.row_paths(it.drafts, it.parents)) for it in sampling]
+    logits = controls.apply(paths, logits)  # rows of requests with controls or a grammar
+    # The step's one host sync; max() is 2x faster than argmax on bf16.
+    best = logits.max(-1).indices.tolist()
+    return [
+        accept_coupled(it, logits[a:b], best[a:b])
+        if couples(it.seq)
+        else accept_by_rejection(it, logits[a:b])
+        for it, a, b in zip(sampling, starts, starts[1:])
+    ]
+
+
+def accept_coupled(
+    it: ScheduledSeq, logits: torch.Tensor, best: list[int]
+) -> tuple[list[int], int]:
+    """The token at each position is the target's own sample there: the argmax of the logits
+    (greedy, `best` per row) or argmax(p / E) with the position's noise E. A draft is accepted
+    iff it equals that token: from the last token down the tree, the child equal to the token its
+    parent's row gives; the token after the last accepted draft is emitted (the recovered or the
+    bonus token). An exact sample from the target; one-hot drafts are accepted with probability
+    p(d), as rejection sampling does."""
+
+    def target_token(node: int, depth: int) -> int:  # of node's row: the token at len(seq) + depth
+        if it.seq.params.temperature == 0:
+            return best[node + 1]
+        probs = logits_to_probs(logits[node + 1][None], [it.seq])[0]
+        return sample_at(probs, it.seq, len(it.seq) + depth)
+
+    path, token = [], target_token(-1, 0)
+    while (
+        child := next(
+            (
+                i
+                for i, (d, p) in enumerate(zip(it.drafts, it.parents))
+                if d == token and p == (path[-1] if path else -1)
+            ),
+            None,
+        )
+    ) is not None:
+        path.append(child)
+        token = target_token(child, len(path))  # each row's token is computed once
+    return path, token
+
+
+def accept_by_rejection(it: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Standard rejection sampling (unseeded requests) of one sequence's chain, from its logits
+    [K+1, V]. Its uniforms, then its noise, come from the request's own generator."""
+    k, device = len(it.drafts), logits.device
+    target_probs = logits_to_probs(logits, [it.seq] * (k + 1))
+    uniform = torch.rand(k, generator=it.seq.generator, device=device)
+    num_accepted, token = rejection_sample(
+        target_probs[None],
+        torch.tensor([it.drafts], dtype=torch.long, device=device),
+        None if it.draft_probs is None else it.draft_probs[None],
+        torch.tensor([k], device=device),
+        uniform[None],
+        exp_noise(it.seq.generator, logits.shape[-1], device)[None],
+    )
+    return list(range(int(num_accepted))), int(token)  # a chain: drafts 0..n-1
+
+
+def rejection_sample(target_probs, draft_tokens, draft_probs, num_drafts, uniform, exp_noise):
+    """Lossless speculative acceptance for a padded batch: target_probs [B, K+1, V]; draft_tokens
+    [B, K]; draft_probs [B, K, V], or None for one-hot drafts (n-gram); num_drafts [B] (rows past
+    it are padding); uniform [B, K] in [0, 1); exp_noise [B, V] Exp(1). Returns (num_accepted
+    [B], next_token [B]). Accept d_i with prob min(1, p(d_i) / q(d_i)) up to the first rejection;
+    then emit one token: from norm(max(p - q, 0)) at a rejection (the "recovered" token) or from
+    p at row K_b when every draft was accepted (the "bonus" token), sampled as argmax(dist /
+    Exp(1)), which needs no normalisation."""
+    num_seqs, max_k = draft_tokens.shape
+    batch = torch.arange(num_seqs, device=target_probs.device)
+    if max_k == 0:
+        return torch.zeros_like(num_drafts), (target_probs[:, 0] / exp_noise).argmax(-1)
+    p_draft = target_probs[:, :max_k].gather(2, draft_tokens[..., None]).squeeze(-1)
+    q_draft = (
+        1.0 if draft_probs is None else draft_probs.gather(2, draft_tokens[..., None]).squeeze(-1)
+    )
+    drafted = torch.arange(max_k, device=batch.device) < num_drafts[:, None]
+    accepted = (uniform * q_draft < p_draft) & drafted
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
+    p_next = target_probs[batch, num_accepted]
+    at = num_accepted.clamp(max=max_k - 1)  # the rejected position (clamped when all were accepted)
+    if draft_probs is None:  # one-hot q: max(p - q, 0) is p with the rejected token zeroed
+        residual = p_next.scatter(1, draft_tokens[batch, at][:, None], 0.0)
+    else:
+        residual = (p_next - draft_probs[batch, at]).clamp_min(0)
+    # A residual that rounds to all-zero can only come from p == q, where rejection had probability
+    # 0.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    dist = torch.where((num_accepted < num_drafts)[:, None], residual, p_next)
+    return num_accepted, (dist / exp_noise).argmax(-1)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, float]:
+    """vLLM's logprobs: log_softmax of the raw logits (before temperature, top-k, top-p) for the
+    sampled token and the top_n most likely ones."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return {i: logprobs[i].item() for i in [token] + logprobs.topk(top_n).indices.tolist()}
+
+
+def sample_drafts(items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+    """Sample one draft token per item from the draft's probabilities (same temperature, top-k and
+    top-p as the target, and the same controls and grammar: a draft the grammar forbids would be
+    cut, which the rejection sampler does not allow for) and keep those probabilities for it."""
+    logits = controls.apply([(item.seq, [item.drafts]) for item in items], logits)
+    probs = logits_to_probs(logits, [item.seq for item in items])
+    for item, p in zip(items, probs):
+        # The noise of the position the draft is for: where the target samples with the same noise
+        # (accept_coupled), the draft agrees with it as often as it can.
+        # A chain: each draft's parent is the previous draft, or -1 for the first.
+        item.parents.append(len(item.drafts) - 1)
+        item.drafts.append(sample_at(p, item.seq, len(item.seq) + len(item.drafts)))
+        item.draft_probs = (
+            p[None] if item.draft_probs is None else torch.cat([item.draft_probs, p[None]])
+        )
+    return torch.tensor([item.drafts[-1] for item in items], device=logits.device)
