@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+import controls
 import kernels
 from goodput import GoodputChooser, acceptance_estimate, clock, profile_step_costs
 from kernels import AttentionContext
@@ -333,6 +334,7 @@ class LLMEngine:
             f"{self.blocks.num_blocks}: raise num_blocks / kv_cache_gib or lower max_tokens",
         )
         seq = Sequence(prompt, params, self.device)
+        seq.grammar = controls.check_request(self, params)  # errors before it joins a batch
         self.scheduler.waiting.append(seq)
         return seq
 
@@ -373,6 +375,7 @@ class LLMEngine:
         started = time.perf_counter()
         if speculating:
             self.proposer.propose(self, speculating)
+        controls.prune_drafts(speculating)  # no verify row for a draft the grammar forbids
         proposed = time.perf_counter()
         # Verify: one target forward over every sequence's new tokens plus its drafts.
         batch = [it.forward_input() for it in scheduled]
@@ -521,6 +524,10 @@ def parse_args(argv=None):
         type=int,
         help="run without speculation while more than this many sequences are running",
     )
+    for name in ("repetition-penalty", "presence-penalty", "frequency-penalty", "min-p"):
+        p.add_argument(f"--{name}", type=float)
+    p.add_argument("--json-schema", help="a JSON schema file: the output is JSON that validates")
+    p.add_argument("--regex", help="the output matches this regular expression")
     for name in (
         "block-size",
         "num-blocks",
@@ -564,6 +571,7 @@ def spec_metrics(outputs: list[RequestOutput]) -> dict:
     )
     return {
         "drafted": num_drafted,
+        "pruned": sum(o.num_draft_tokens_pruned for o in outputs),
         "accepted": num_accepted,
         "mean_accepted_length": 1 + num_accepted / steps if steps else None,
         "nodes_per_step": num_drafted / steps if steps else None,
@@ -589,7 +597,7 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     if llm.proposer is not None:
         m = spec_metrics(outputs)  # None per step when no step speculated: 1 token a step, 0 nodes
         rows |= {
-            "drafted tokens": m["drafted"],
+            "drafted tokens (cut by grammar)": f"{m['drafted']} ({m['pruned']})",
             "accepted tokens": m["accepted"],
             "mean accepted length": f"{m['mean_accepted_length'] or 1:.2f}",
             "nodes verified per step": f"{m['nodes_per_step'] or 0:.2f}",
@@ -613,8 +621,12 @@ def main(argv=None) -> int:
     engine_args = {f.name for f in fields(EngineConfig)}
     settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
     try:
-        sampling = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "logprobs")
-        params = SamplingParams(**{name: getattr(args, name) for name in sampling})
+        sampling = "temperature top_p top_k max_tokens seed ignore_eos logprobs regex min_p".split()
+        sampling += ["repetition_penalty", "presence_penalty", "frequency_penalty"]
+        given = {name: getattr(args, name) for name in sampling if getattr(args, name) is not None}
+        if args.json_schema:
+            given["json_schema"] = open(args.json_schema).read()
+        params = SamplingParams(**given)
         llm = LLM(**settings)
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
         prompts = prompts or ["Write a short poem about the sea."]

@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+import controls
 from sequence import SamplingParams, ScheduledSeq, Sequence
 
 
@@ -74,6 +75,8 @@ def accept(sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[lis
     """(accepted path of draft indices, next token) per sequence, from its rows of logits: the
     coupled acceptance for greedy and seeded requests, the rejection sampler for the others."""
     starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
+    paths = [(it.seq, controls.row_paths(it.drafts, it.parents)) for it in sampling]
+    logits = controls.apply(paths, logits)  # rows of requests with controls or a grammar
     # The step's one host sync; max() is 2x faster than argmax on bf16.
     best = logits.max(-1).indices.tolist()
     return [
@@ -174,7 +177,9 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> dict[int, fl
 
 def sample_drafts(items: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
     """Sample one draft token per item from the draft's probabilities (same temperature, top-k and
-    top-p as the target) and keep those probabilities for the rejection sampler."""
+    top-p as the target, and the same controls and grammar: a draft the grammar forbids would be
+    cut, which the rejection sampler does not allow for) and keep those probabilities for it."""
+    logits = controls.apply([(item.seq, [item.drafts]) for item in items], logits)
     probs = logits_to_probs(logits, [item.seq for item in items])
     for item, p in zip(items, probs):
         # The noise of the position the draft is for: where the target samples with the same noise

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import controls
 from models import require
 
 
@@ -24,6 +25,18 @@ class SamplingParams:
     num_spec_tokens: int | None = None  # per-request K (0: this request never speculates)
     # Per token: the sampled token's and the N most likely tokens' log-probs.
     logprobs: int | None = None
+    # vLLM's controls (controls.py): penalties over the history, min_p, biases, allowed tokens.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Structured output, at most one: a JSON schema (dict or str), a regex, a Lark grammar, choices.
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -41,6 +54,7 @@ class SamplingParams:
         }
         for name, ok in checks.items():
             require(ok, f"SamplingParams.{name} has an invalid value: {getattr(self, name)!r}")
+        controls.check_params(self)
 
 
 class Sequence:
@@ -61,6 +75,8 @@ class Sequence:
         self.text: str | None = None  # set at finish; truncated at a stop string
         self.stop_text, self.decode_offsets = "", (self.num_prompt_tokens,) * 2  # for stop strings
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
+        self.num_pruned = 0  # drafts the grammar cut before verification (not in num_drafted)
+        self.grammar: controls.Grammar | None = None
         self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
         # Per position: steps that drafted a token there after accepting every draft before it.
         self.reached_per_position = Counter()
@@ -94,11 +110,12 @@ class Sequence:
         self.accepted_per_position.update(range(num_accepted))
 
     def check_stop(self, eos_ids, tokenizer, max_model_len: int) -> bool:
-        """Set finish_reason if the last token ends the request: EOS, a stop token, a stop string,
-        max_tokens or the context. Called per token, so a step that brings several never emits
-        past a stop."""
+        """Set finish_reason if the last token ends the request: EOS, a stop token, the grammar's
+        end (the grammar is fed each token here), a stop string, max_tokens or the context.
+        Called per token, so a step that brings several never emits past a stop."""
         p, last = self.params, self.token_ids[-1]
-        if (not p.ignore_eos and last in eos_ids) or last in (p.stop_token_ids or ()):
+        eos = not p.ignore_eos and last in eos_ids
+        if eos or last in (p.stop_token_ids or ()) or (self.grammar and self.grammar.commit(last)):
             self.finish_reason = "stop"
         # Stop strings are matched on the decoded output, searching only where the new text could
         # complete one.
@@ -153,6 +170,7 @@ class RequestOutput:
     ttft: float
     tpot: float
     latency: float
+    num_draft_tokens_pruned: int = 0  # drafts the grammar cut before verification
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> "RequestOutput":
@@ -174,6 +192,7 @@ class RequestOutput:
             ttft=first - seq.arrival_time,
             tpot=(seq.finish_time - first) / max(len(seq.output_ids) - 1, 1),
             latency=seq.finish_time - seq.arrival_time,
+            num_draft_tokens_pruned=seq.num_pruned,
         )
 
 

@@ -251,25 +251,42 @@ def test_top_k_top_p_and_temperature_masks():
     assert torch.allclose(hot[0], torch.softmax(logits[0] / 0.5, -1))
 
 
+CONTROLS = dict(  # strong penalties: repeating the first token is rare (and checked below)
+    repetition_penalty=2.0,
+    presence_penalty=1.5,
+    frequency_penalty=1.0,
+    min_p=0.02,
+    logit_bias={7: 2.0, 11: -1.0, 30: 1.0},
+)
+
+
+@pytest.mark.parametrize("controls", [{}, CONTROLS], ids=["raw", "controls"])
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded-coupled", "unseeded-rejection"])
-def test_engine_sampling_with_speculation_matches_the_target(tmp_path, seeded):
+def test_engine_sampling_with_speculation_matches_the_target(tmp_path, seeded, controls):
     """End to end at temperature 1: the first two tokens generated with a draft model (the second
     one comes from a speculative step: accepted draft or recovered token) follow the target's
-    exact joint distribution, computed with transformers, through the coupled acceptance (seeded
-    requests) and the rejection sampler (unseeded); and the same seeds give the same tokens
-    again."""
+    exact joint distribution, computed with transformers (and, with controls on, processed by
+    controls.process_logits with each token's history: penalties, min_p, logit_bias), through
+    the coupled acceptance (seeded requests) and the rejection sampler (unseeded); and the same
+    seeds give the same tokens again."""
     import tiny
 
+    import controls as sampling_controls
     from nanospec import LLM
+
+    def dist(logits, histories):
+        rows = [sampling_controls.process_logits(r, h, 4, rule) for r, h in zip(logits, histories)]
+        return torch.softmax(torch.stack(rows).double(), -1)
+
+    rule = SamplingParams(temperature=1.0, **controls)
 
     hf = tiny.write_checkpoint(tmp_path / "target", tiny.llama_like())
     tiny.write_checkpoint(tmp_path / "draft", tiny.llama_like(num_hidden_layers=1), seed=1)
     prompt, n = [5, 9, 14, 23], 3000
     with torch.no_grad():
-        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
-        p2 = torch.softmax(
-            hf(torch.tensor([prompt + [t] for t in range(tiny.VOCAB)])).logits[:, -1].double(), -1
-        )
+        p1 = dist(hf(torch.tensor([prompt])).logits[0, -1:], [prompt])[0]
+        histories = [prompt + [t] for t in range(tiny.VOCAB)]
+        p2 = dist(hf(torch.tensor(histories)).logits[:, -1], histories)
     exact = (p1[:, None] * p2).flatten()
     llm = LLM(
         str(tmp_path / "target"),
@@ -281,7 +298,9 @@ def test_engine_sampling_with_speculation_matches_the_target(tmp_path, seeded):
         num_spec_tokens=2,
     )
     params = [
-        SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=i if seeded else None)
+        SamplingParams(
+            temperature=1.0, max_tokens=3, ignore_eos=True, seed=i if seeded else None, **controls
+        )
         for i in range(n)
     ]
     outs = llm.generate([prompt] * n, params, use_progress=False)
@@ -306,6 +325,15 @@ def test_engine_sampling_with_speculation_matches_the_target(tmp_path, seeded):
         )
         chi2, dof = chi_square(pooled_f, pooled_e, n)
         assert chi2 < dof + 6 * (2 * dof) ** 0.5, f"chi2 {chi2:.1f} with {dof} dof"
+    # The third token repeating the second: a verify row after an accepted draft must see that
+    # draft in its history (penalised with controls on)
+    repeats = sum(o.token_ids[1] == o.token_ids[2] for o in outs) / n
+    with torch.no_grad():
+        histories = [prompt + [a, b] for a in range(tiny.VOCAB) for b in range(tiny.VOCAB)]
+        p3 = dist(hf(torch.tensor(histories)).logits[:, -1], histories)
+    p3 = p3.view(tiny.VOCAB, tiny.VOCAB, tiny.VOCAB).diagonal(dim1=1, dim2=2)  # [t1, t2 = t3]
+    want = (p1[:, None] * p2 * p3).sum().item()
+    assert abs(repeats - want) < 5 * (want / n) ** 0.5 + 2 / n, (repeats, want)
     if seeded:
         again = llm.generate([prompt] * 50, params[:50], use_progress=False)
         assert [o.token_ids for o in again] == [o.token_ids for o in outs[:50]]

@@ -118,12 +118,13 @@ def write_mlp_speculator(
 def write_char_tokenizer(path):
     """A 96-token character tokenizer (id 0 = <unk>, then printable ASCII), so text-level
     features (stop strings, prompts as text) can be tested on tiny random models. Id 2 is '!',
-    the tiny EOS."""
+    the tiny EOS. Its decoder (byte fallback, then fuse: the text is the tokens joined) is one
+    llguidance recognises, for structured output."""
     from tokenizers import Tokenizer, decoders, models
 
     vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tokenizer.decoder = decoders.Fuse()
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tokenizer.save(os.path.join(path, "tokenizer.json"))
 
 
