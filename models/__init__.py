@@ -150,14 +150,15 @@ class Tokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def decode_next(
-        self, ids: list[int], prefix_offset: int, read_offset: int
+        self, ids: list[int], prefix_offset: int, read_offset: int, final: bool = False
     ) -> tuple[str, tuple]:
         """Incremental detokenization: the text ids[read_offset:] add, decoded from prefix_offset
         (context for spacing), and the next offsets. An incomplete UTF-8 character waits for the
-        next token."""
+        next token, unless this is the final call (then it decodes as a replacement character, as
+        decode() of the whole would)."""
         prefix = self.decode(ids[prefix_offset:read_offset])
         text = self.decode(ids[prefix_offset:])
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+        if final or len(text) > len(prefix) and not text.endswith("\ufffd"):
             return text[len(prefix) :], (read_offset, len(ids))
         return "", (prefix_offset, read_offset)
 
