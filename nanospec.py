@@ -74,7 +74,11 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.text: str | None = None  # set at finish; truncated at a stop string
-        self.stop_text, self.decode_offsets = "", (self.num_prompt_tokens,) * 2  # for stop strings
+        # the output decoded token by token (stop strings, streaming), and per character whether
+        # an accepted draft produced it
+        self.decoded, self.decode_offsets = "", (self.num_prompt_tokens,) * 2
+        self.drafted_chars: list[bool] = []
+        self.num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
         self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
         # steps that drafted a token there after accepting all before
@@ -114,6 +118,19 @@ class RequestOutput:
     ttft: float
     tpot: float
     latency: float
+    num_cached_tokens: int = 0  # prompt tokens whose K/V a prefix-cache hit supplied
+
+
+@dataclass
+class StreamUpdate:
+    """What one step added to one request (LLM.generate(..., stream=True))."""
+
+    index: int  # the prompt it answers
+    delta: str  # new text: never half a character, never any part of a stop string
+    token_ids: list[int]
+    drafted: list[bool]  # per character of delta: produced by an accepted draft
+    finished: bool
+    output: RequestOutput | None = None  # with the last update
 
 
 @dataclass(slots=True)
@@ -705,11 +722,16 @@ class Scheduler:
                 budget -= num_tokens + nodes
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = min(len(seq), budget)
-            if not self.blocks.ensure_slots(seq, num_tokens):
+            cached = self.blocks.allocate(seq)  # a prefix-cache hit: both models' K/V are there
+            num_tokens = min(len(seq) - cached, budget)
+            if not self.blocks.ensure_slots(seq, cached + num_tokens):
+                self.blocks.free(seq)
                 break
+            seq.num_cached = seq.num_draft_cached = cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
             self.running.append(self.waiting.popleft())
-            scheduled.append(ScheduledSeq(seq, num_tokens, 0, num_tokens == len(seq)))
+            scheduled.append(ScheduledSeq(seq, num_tokens, 0, cached + num_tokens == len(seq)))
             budget -= num_tokens
         return scheduled
 
@@ -750,6 +772,7 @@ class LLMEngine:
         spec_disable_batch_size: int | None = None,
         suffix_max_requests=256,
         spec_tree_nodes=0,
+        enable_prefix_caching=True,
     ):
         draft = None if draft in ("", "none") else draft
         if num_spec_tokens is None:  # a draft without a K: auto
@@ -819,7 +842,7 @@ class LLMEngine:
             allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device)
             for m in cache_models
         ]
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.stats = Counter()  # engine-wide: steps, preemptions, kv_moves
         self.k_histogram = Counter()  # K chosen per step
         self.scheduler = Scheduler(
@@ -1046,6 +1069,7 @@ class LLMEngine:
         for it in scheduled:
             if not it.samples:
                 it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end
+                self.register_blocks(it.seq)
         sampling = [it for it in scheduled if it.samples]
         if not sampling:
             return []
@@ -1103,16 +1127,35 @@ class LLMEngine:
             seq.drafted_per_position.update(range(depth))  # per depth
             seq.accepted_per_position.update(range(len(path)))
         seq.first_token_time = seq.first_token_time or time.perf_counter()
-        for t, row in zip([it.drafts[node] for node in path] + [token], logits):
+        for i, (t, row) in enumerate(zip([it.drafts[node] for node in path] + [token], logits)):
             seq.token_ids.append(t)
             if seq.logprobs is not None:
                 seq.logprobs.append(token_logprobs(row, t, seq.params.logprobs))
-            if self.check_stop(seq):
+            new_text = self.detokenize(seq, i < len(path)) if self.tokenizer is not None else ""
+            if self.check_stop(seq, len(new_text)):
                 break
+        self.register_blocks(seq)  # before a finished sequence frees them: they stay cached
         if seq.finish_reason is None:
             self.blocks.trim(seq, len(seq))  # give back lookahead blocks that rejected drafts used
         else:
             self.finish(seq)
+
+    def register_blocks(self, seq: Sequence):
+        """Key seq's full blocks for prefix caching once every cache holds their K/V (a draft
+        model's may lag: then its count decides)."""
+        drafts_cache = isinstance(self.proposer, DraftModelProposer)
+        computed = min(seq.num_cached, seq.num_draft_cached) if drafts_cache else seq.num_cached
+        self.blocks.register_full_blocks(seq, computed)
+
+    def detokenize(self, seq: Sequence, from_draft: bool, final: bool = False):
+        """Decode the text the last token completes (an incomplete character waits, until the
+        final call)."""
+        new_text, seq.decode_offsets = self.tokenizer.decode_next(
+            seq.token_ids, *seq.decode_offsets, final=final
+        )
+        seq.decoded += new_text
+        seq.drafted_chars += [from_draft] * len(new_text)
+        return new_text
 
     def move_kv(self, seq: Sequence, sources, destinations):
         """Copy K/V between positions of seq in every cache ([2, layers, blocks, block_size,
@@ -1124,20 +1167,16 @@ class LLMEngine:
             by_slot = cache.flatten(2, 3)
             by_slot[:, :, dst] = by_slot[:, :, src]
 
-    def check_stop(self, seq: Sequence) -> bool:
+    def check_stop(self, seq: Sequence, num_new_chars: int) -> bool:
         p, last = seq.params, seq.token_ids[-1]
         if (not p.ignore_eos and last in self.eos_ids) or last in (p.stop_token_ids or ()):
             seq.finish_reason = "stop"
         # match on the decoded output, searching only where the new text could complete a stop
-        elif p.stop:
-            new_text, seq.decode_offsets = self.tokenizer.decode_next(
-                seq.token_ids, *seq.decode_offsets
-            )
-            search_from = max(len(seq.stop_text) - max(map(len, p.stop)) + 1, 0)
-            seq.stop_text += new_text
-            hits = [i for i in (seq.stop_text.find(s, search_from) for s in p.stop) if i >= 0]
+        elif p.stop:  # search only where the last token's text could complete a stop string
+            search_from = max(len(seq.decoded) - num_new_chars - max(map(len, p.stop)) + 1, 0)
+            hits = [i for i in (seq.decoded.find(s, search_from) for s in p.stop) if i >= 0]
             if hits:
-                seq.finish_reason, seq.text = "stop", seq.stop_text[: min(hits)]
+                seq.finish_reason, seq.text = "stop", seq.decoded[: min(hits)]
         at_limit = len(seq.output_ids) >= p.max_tokens or len(seq) >= self.max_model_len
         if seq.finish_reason is None and at_limit:
             seq.finish_reason = "length"
@@ -1149,8 +1188,9 @@ class LLMEngine:
         # finished requests feed later ones' proposals
         if isinstance(self.proposer, SuffixProposer):
             self.proposer.remember(seq.token_ids)
-        if seq.text is None and self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids)
+        if seq.text is None and self.tokenizer is not None:  # no stop string cut it short
+            self.detokenize(seq, from_draft=False, final=True)
+            seq.text = seq.decoded
 
     def output(self, seq: Sequence) -> RequestOutput:
         first = seq.first_token_time or seq.finish_time
@@ -1171,6 +1211,7 @@ class LLMEngine:
             ttft=first - seq.arrival_time,
             tpot=(seq.finish_time - first) / max(len(seq.output_ids) - 1, 1),
             latency=seq.finish_time - seq.arrival_time,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
 
@@ -1178,8 +1219,10 @@ class LLM(LLMEngine):
     """The offline API: LLM(model).generate(prompts, sampling_params)."""
 
     def generate(
-        self, prompts, sampling_params=None, use_progress: bool = True
-    ) -> list[RequestOutput]:
+        self, prompts, sampling_params=None, use_progress: bool = True, stream: bool = False
+    ):
+        """The outputs, one per prompt; with stream=True an iterator of StreamUpdate instead, each
+        step one per request that committed tokens (abandoning it aborts the requests)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
@@ -1194,16 +1237,54 @@ class LLM(LLMEngine):
         try:
             for prompt, params in zip(prompts, sampling_params):
                 seqs.append(self.add_request(prompt, params))
-            with Progress(transient=True, disable=not use_progress) as progress:
-                task = progress.add_task("generating", total=len(seqs))
-                while any(seq.phase != "finished" for seq in seqs):
-                    progress.advance(task, len(self.step()))
-        # a bad request, a failed step, Ctrl-C: leave no request and no block behind
+        except BaseException:  # a bad request: leave none of them behind
+            for seq in seqs:
+                self.abort(seq)
+            raise
+        updates = self.stream(seqs)
+        if stream:
+            return updates
+        with Progress(transient=True, disable=not use_progress) as progress:
+            task = progress.add_task("generating", total=len(seqs))
+            for update in updates:
+                progress.advance(task, update.finished)
+        return [self.output(seq) for seq in seqs]
+
+    def stream(self, seqs: list[Sequence]):
+        sent = [(0, 0)] * len(seqs)  # tokens and characters each request has sent; None: done
+        try:
+            while any(sent):
+                self.step()
+                for i, (seq, done) in enumerate(zip(seqs, sent)):
+                    finished = seq.finish_reason is not None
+                    if done is None or done[0] == len(seq.output_ids) and not finished:
+                        continue
+                    text = seq.text if finished else seq.decoded[: shown_length(seq)]
+                    text = text or ""  # no tokenizer: token ids only
+                    yield StreamUpdate(
+                        i,
+                        text[done[1] :],
+                        seq.output_ids[done[0] :],
+                        seq.drafted_chars[done[1] : len(text)],
+                        finished,
+                        self.output(seq) if finished else None,
+                    )
+                    sent[i] = None if finished else (len(seq.output_ids), len(text))
+        # a failed step, Ctrl-C, an abandoned stream: leave no request and no block behind
         except BaseException:
             for seq in seqs:
                 self.abort(seq)
             raise
-        return [self.output(seq) for seq in seqs]
+
+
+def shown_length(seq: Sequence) -> int:
+    """How much of a running request's decoded text a stream may show: all but the longest tail
+    that could still begin a stop string (stop strings are never shown, not even in part)."""
+    stops = seq.params.stop or []
+    for n in range(min(len(seq.decoded), max(map(len, stops), default=1) - 1), 0, -1):
+        if any(s.startswith(seq.decoded[-n:]) for s in stops):
+            return len(seq.decoded) - n
+    return len(seq.decoded)
 
 
 # ---------------------------------------------------------------------------------------------
