@@ -100,7 +100,9 @@ def test_two_turns_the_second_finds_the_first_cached(model):
     *_, (_, _, prompt3, cached3) = term.wait_for(STATS, 3)
     term.type("/exit\n")
     assert term.finish() == 0
-    tokens1, prompt1, cached1, prompt2, cached2 = map(int, (tokens1, prompt1, cached1, prompt2, cached2))
+    tokens1, prompt1, cached1, prompt2, cached2 = map(
+        int, (tokens1, prompt1, cached1, prompt2, cached2)
+    )
     assert tokens1 == 12 and cached1 == 0
     # Every token of turn 1 but the last sampled one (which never had K/V computed) is cached.
     computed = prompt1 + tokens1 - 1
