@@ -1297,7 +1297,17 @@ def parse_args(argv=None):
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="JSONL with a 'prompt' field, or MT-bench style 'turns'")
     p.add_argument(
-        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
+        "--chat",
+        action="store_true",
+        help="wrap each prompt in the model's chat template; without prompts, a conversation",
+    )
+    p.add_argument("--no-color", action="store_true", help="no colours (accepted drafts: cyan)")
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="compute every prompt in full, sharing no cached K/V blocks",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -1382,6 +1392,8 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     from rich.table import Column, Table
 
     num_tokens = sum(len(o.token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
     # noqa: E731
     median_ms = lambda name: f"{1000 * np.median([getattr(o, name) for o in outputs]):.1f}"
     rows = {
@@ -1392,6 +1404,7 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
         "TTFT median (ms)": median_ms("ttft"),
         "TPOT median (ms)": median_ms("tpot"),
         "dtype, kernels": f"{str(llm.dtype)[6:]}, {kernels.kernels_summary(llm.device)}",
+        "cached prompt tokens": f"{cached} of {prompt} ({100 * cached / prompt:.0f}%)",
     }
     if llm.proposer is not None:
         m = spec_metrics(outputs)  # None per step when no step speculated: 1 token a step, 0 nodes
@@ -1411,11 +1424,82 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     return table
 
 
+def answer_line(out: RequestOutput) -> str:
+    """One line after each streamed answer."""
+    accepted = spec_metrics([out])["mean_accepted_length"] or 1
+    return (
+        f"{len(out.token_ids)} tokens, {len(out.token_ids) / out.latency:.1f} tok/s, "
+        f"mean accepted length {accepted:.2f}, prompt {len(out.prompt_token_ids)} tokens, "
+        f"{out.num_cached_tokens} cached"
+    )
+
+
+def print_stream(console, updates, num_requests: int) -> list[RequestOutput]:
+    """Print each request's text as it streams, accepted drafts in cyan, then its answer_line;
+    one request after another (a later one's updates wait). Returns the outputs."""
+    pending, outputs = {i: [] for i in range(num_requests)}, []
+    for update in updates:
+        pending[update.index].append(update)
+        while len(outputs) < num_requests and pending[len(outputs)]:
+            shown = pending[len(outputs)].pop(0)
+            for drafted, chars in itertools.groupby(
+                zip(shown.delta, shown.drafted), lambda c: c[1]
+            ):
+                text = "".join(c for c, _ in chars)
+                style = "cyan" if drafted else None
+                console.print(text, style=style, end="", markup=False, highlight=False)
+            console.file.flush()
+            if shown.finished:
+                outputs.append(shown.output)
+                console.print("\n" + answer_line(shown.output), style="dim", highlight=False)
+    return outputs
+
+
+def turn_prompt_ids(llm: LLM, text: str, last) -> list[int]:
+    """A chat turn's prompt (text: the template applied to the conversation) as token ids that
+    extend the last turn's prompt and answer ids exactly, not a re-encoding of them (which may
+    split them differently), so prefix caching finds them cached: only the template's text after
+    the answer is encoded. An answer's final special token (EOS: no text) is left to the template,
+    which closes the turn itself."""
+    if last is not None:
+        last_text, last_ids, out = last
+        if text.startswith(last_text + out.text):
+            answer = out.token_ids
+            if answer and llm.tokenizer.decode(answer[-1:]) == "":
+                answer = answer[:-1]
+            rest = llm.tokenizer.encode(text[len(last_text + out.text) :], special=False)
+            return last_ids + answer + rest
+    return llm.tokenizer.encode(text)
+
+
+def chat(llm: LLM, params: SamplingParams, console) -> int:
+    """--chat without prompts: read a line, stream the answer, keep the conversation (the chat
+    template's history); /reset starts over, /exit or Ctrl-D ends."""
+    require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
+    messages, last = [], None  # last: the last turn's prompt text, prompt ids and output
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            return 0
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            messages, last = [], None
+        elif line:
+            messages.append({"role": "user", "content": line})
+            text = llm.tokenizer.apply_chat_template(messages)
+            ids = turn_prompt_ids(llm, text, last)
+            (out,) = print_stream(console, llm.generate(ids, params, stream=True), 1)
+            messages.append({"role": "assistant", "content": out.text})
+            last = (text, ids, out)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from rich.console import Console
 
-    console = Console()
+    console = Console(no_color=args.no_color, soft_wrap=True)
     # the flags named like LLMEngine's
     engine_args = inspect.signature(LLMEngine.__init__).parameters
     settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
@@ -1424,6 +1508,8 @@ def main(argv=None) -> int:
         params = SamplingParams(**{name: getattr(args, name) for name in sampling})
         llm = LLM(**settings)
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+        if args.chat and not prompts:
+            return chat(llm, params, console)
         prompts = prompts or ["Write a short poem about the sea."]
         if args.chat:
             require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
@@ -1431,12 +1517,17 @@ def main(argv=None) -> int:
                 llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
             ]
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        if console.is_terminal:  # stream
+            outputs = print_stream(
+                console, llm.generate(prompts, params, stream=True), len(prompts)
+            )
+        else:
+            outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
     except (ValueError, FileNotFoundError, RuntimeError, json.JSONDecodeError) as e:
         print(f"nanospec: error: {e}", file=sys.stderr)
         return 2
-    for out in outputs:
+    for out in [] if console.is_terminal else outputs:
         console.rule(f"[bold]{out.finish_reason}[/] · {len(out.token_ids)} tokens")
         console.print(
             out.text if out.text is not None else out.token_ids, highlight=False, markup=False

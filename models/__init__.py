@@ -143,8 +143,9 @@ class Tokenizer:
         self.config = json.load(open(config_file)) if os.path.exists(config_file) else {}
         self.chat_template = self.config.get("chat_template")
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """special=False: no BOS or other tokens the tokenizer adds around a whole text."""
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
