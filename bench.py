@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+import timeit
 from pathlib import Path
 
 import numpy as np
@@ -323,12 +324,7 @@ def main(argv=None):
 # `python bench.py kernels`: the CPU kernels against this machine's own limits, in one process.
 def best_of(fn, repeat: int = 5) -> float:
     """The fastest of `repeat` timed calls, seconds (the minimum: noise only ever adds time)."""
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timeit.repeat(fn, number=1, repeat=repeat))
 
 
 def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[tuple[int, int]]:
@@ -348,13 +344,9 @@ def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[
     inner = [
         (a, b) for a, b in loops if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in loops)
     ]
-    counts = []
-    for a, b in inner:
-        ops = [op for _, op, _ in code[a : b + 1]]
-        fmas = sum(op.startswith(("vfmadd", "vdpbf16")) for op in ops)
-        if fmas:
-            counts.append((len(ops), fmas))
-    return counts
+    spans = [[op for _, op, _ in code[a : b + 1]] for a, b in inner]
+    counts = [(len(ops), sum(op.startswith(("vfmadd", "vdpbf16")) for op in ops)) for ops in spans]
+    return [(instructions, fmas) for instructions, fmas in counts if fmas]
 
 
 def bench_kernels(argv=None):

@@ -322,20 +322,9 @@ def c_linear(x, packed, bias, out_features):
     # Prefill's K-blocks need per-thread room: bf16 weights widened once per block, partial sums.
     blocked = w_type and not dot and len(rows) > 6
     scratch = linear_scratch(threads * (128 * 32 * 4 + len(rows) * 64)) if blocked else None
-    lib.linear(
-        rows.data_ptr(),
-        packed.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        out.shape[0],
-        out_features,
-        rows.shape[1],
-        dot,
-        w_type,
-        out.dtype == torch.bfloat16,
-        None if scratch is None else scratch.data_ptr(),
-        threads,
-    )
+    pointers = [None if t is None else t.data_ptr() for t in (rows, packed, bias, out, scratch)]
+    dtypes = (dot, w_type, out.dtype == torch.bfloat16)
+    lib.linear(*pointers[:4], len(rows), out_features, rows.shape[1], *dtypes, pointers[4], threads)
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -21,7 +21,14 @@ from models import eos_token_ids, load_model, load_tokenizer, require
 from paged_kv import BlockManager, allocate_kv_cache, bytes_per_block, move_kv
 from proposers import DraftModelProposer, MLPProposer, SuffixProposer, make_proposer
 from sampling import accept, couples, token_logprobs
-from sequence import RequestOutput, SamplingParams, ScheduledSeq, Sequence, check_prompt
+from sequence import (
+    RequestOutput,
+    SamplingParams,
+    ScheduledSeq,
+    Sequence,
+    StreamUpdate,
+    check_prompt,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,11 +113,16 @@ class Scheduler:
                 budget -= num_tokens + nodes
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = min(len(seq), budget)
-            if not self.blocks.ensure_slots(seq, num_tokens):
+            cached = self.blocks.allocate(seq)  # a prefix-cache hit: both models' K/V are there
+            num_tokens = min(len(seq) - cached, budget)
+            if not self.blocks.ensure_slots(seq, cached + num_tokens):
+                self.blocks.free(seq)
                 break
+            seq.num_cached = seq.num_draft_cached = cached
+            if seq.num_cached_tokens is None:  # (a preempted request counts its first admission)
+                seq.num_cached_tokens = cached
             self.running.append(self.waiting.popleft())
-            scheduled.append(ScheduledSeq(seq, num_tokens, 0, num_tokens == len(seq)))
+            scheduled.append(ScheduledSeq(seq, num_tokens, 0, cached + num_tokens == len(seq)))
             budget -= num_tokens
         return scheduled
 
@@ -211,6 +223,7 @@ class EngineConfig:
     spec_disable_batch_size: int | None = None
     suffix_max_requests: int = 256
     spec_tree_nodes: int = 0
+    enable_prefix_caching: bool = True  # full blocks keyed by their prefix, shared across requests
 
     def __post_init__(self):
         self.draft = None if self.draft in ("", "none") else self.draft
@@ -295,7 +308,7 @@ class LLMEngine:
             allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device)
             for m in cache_models
         ]
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, c.enable_prefix_caching)
         self.stats = Counter()  # engine-wide: steps, preemptions, kv_moves
         self.k_histogram = Counter()  # K chosen per step
         self.scheduler = Scheduler(
@@ -383,6 +396,7 @@ class LLMEngine:
         for it in scheduled:
             if not it.samples:
                 it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end
+                self.register_blocks(it.seq)
         sampling = [it for it in scheduled if it.samples]
         if not sampling:
             return []
@@ -430,12 +444,13 @@ class LLMEngine:
         if it.num_spec:
             seq.count_spec_step(len(it.drafts), len(path), it.depth())
         seq.first_token_time = seq.first_token_time or time.perf_counter()
-        for t, row in zip([it.drafts[node] for node in path] + [token], logits):
+        for i, (t, row) in enumerate(zip([it.drafts[node] for node in path] + [token], logits)):
             seq.token_ids.append(t)
             if seq.logprobs is not None:
                 seq.logprobs.append(token_logprobs(row, t, seq.params.logprobs))
-            if seq.check_stop(self.eos_ids, self.tokenizer, self.max_model_len):
+            if seq.check_stop(self.eos_ids, self.tokenizer, self.max_model_len, i < len(path)):
                 break
+        self.register_blocks(seq)  # before a finished sequence frees them: they stay cached
         if seq.finish_reason is None:
             self.blocks.trim(seq, len(seq))  # give back lookahead blocks that rejected drafts used
         else:
@@ -447,16 +462,26 @@ class LLMEngine:
         # Finished requests feed later ones' proposals.
         if isinstance(self.proposer, SuffixProposer):
             self.proposer.remember(seq.token_ids)
-        if seq.text is None and self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_ids)
+        if seq.text is None and self.tokenizer is not None:  # no stop string cut it short
+            seq.detokenize(self.tokenizer, from_draft=False, final=True)
+            seq.text = seq.decoded
+
+    def register_blocks(self, seq: Sequence):
+        """Key seq's full blocks for prefix caching once every cache holds their K/V (a draft
+        model's may lag: then its count decides)."""
+        drafts_cache = isinstance(self.proposer, DraftModelProposer)
+        computed = min(seq.num_cached, seq.num_draft_cached) if drafts_cache else seq.num_cached
+        self.blocks.register_full_blocks(seq, computed)
 
 
 class LLM(LLMEngine):
     """The offline API: LLM(model).generate(prompts, sampling_params)."""
 
     def generate(
-        self, prompts, sampling_params=None, use_progress: bool = True
-    ) -> list[RequestOutput]:
+        self, prompts, sampling_params=None, use_progress: bool = True, stream: bool = False
+    ):
+        """The outputs, one per prompt; with stream=True an iterator of StreamUpdate instead, each
+        step one per request that committed tokens (abandoning it aborts the requests)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
@@ -471,16 +496,40 @@ class LLM(LLMEngine):
         try:
             for prompt, params in zip(prompts, sampling_params):
                 seqs.append(self.add_request(prompt, params))
-            with Progress(transient=True, disable=not use_progress) as progress:
-                task = progress.add_task("generating", total=len(seqs))
-                while any(seq.phase != "finished" for seq in seqs):
-                    progress.advance(task, len(self.step()))
-        # A bad request, a failed step, Ctrl-C: leave no request and no block behind.
+        except BaseException:  # a bad request: leave none of them behind
+            for seq in seqs:
+                self.abort(seq)
+            raise
+        updates = self.stream(seqs)
+        if stream:
+            return updates
+        with Progress(transient=True, disable=not use_progress) as progress:
+            task = progress.add_task("generating", total=len(seqs))
+            for update in updates:
+                progress.advance(task, update.finished)
+        return [RequestOutput.from_sequence(seq) for seq in seqs]
+
+    def stream(self, seqs: list[Sequence]):
+        sent = [(0, 0)] * len(seqs)  # tokens and characters each request has sent; None: done
+        try:
+            while any(sent):
+                self.step()
+                for i, (seq, done) in enumerate(zip(seqs, sent)):
+                    finished = seq.finish_reason is not None
+                    if done is None or done[0] == len(seq.output_ids) and not finished:
+                        continue
+                    text = (seq.text if finished else seq.decoded[: seq.shown_length()]) or ""
+                    output = RequestOutput.from_sequence(seq) if finished else None
+                    delta, drafted = text[done[1] :], seq.drafted_chars[done[1] : len(text)]
+                    yield StreamUpdate(
+                        i, delta, seq.output_ids[done[0] :], drafted, finished, output
+                    )
+                    sent[i] = None if finished else (len(seq.output_ids), len(text))
+        # A failed step, Ctrl-C, an abandoned stream: leave no request and no block behind.
         except BaseException:
             for seq in seqs:
                 self.abort(seq)
             raise
-        return [RequestOutput.from_sequence(seq) for seq in seqs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,7 +542,17 @@ def parse_args(argv=None):
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="JSONL with a 'prompt' field, or MT-bench style 'turns'")
     p.add_argument(
-        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
+        "--chat",
+        action="store_true",
+        help="wrap each prompt in the model's chat template; without prompts, a conversation",
+    )
+    p.add_argument("--no-color", action="store_true", help="no colours (accepted drafts: cyan)")
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="compute every prompt in full, sharing no cached K/V blocks",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -583,6 +642,8 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     from rich.table import Column, Table
 
     num_tokens = sum(len(o.token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
     median_ms = lambda name: f"{1000 * np.median([getattr(o, name) for o in outputs]):.1f}"
     rows = {
         "requests": len(outputs),
@@ -593,6 +654,7 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
         "TPOT median (ms)": median_ms("tpot"),
         "dtype, kernels": f"{str(llm.dtype)[6:]}{kernels.weights_summary(llm.model)}, "
         f"{kernels.kernels_summary(llm.device)}",
+        "cached prompt tokens": f"{cached} of {prompt} ({100 * cached / prompt:.0f}%)",
     }
     if llm.proposer is not None:
         m = spec_metrics(outputs)  # None per step when no step speculated: 1 token a step, 0 nodes
@@ -612,11 +674,82 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
     return table
 
 
+def answer_line(out: RequestOutput) -> str:
+    """One line after each streamed answer."""
+    accepted = spec_metrics([out])["mean_accepted_length"] or 1
+    return (
+        f"{len(out.token_ids)} tokens, {len(out.token_ids) / out.latency:.1f} tok/s, "
+        f"mean accepted length {accepted:.2f}, prompt {len(out.prompt_token_ids)} tokens, "
+        f"{out.num_cached_tokens} cached"
+    )
+
+
+def print_stream(console, updates, num_requests: int) -> list[RequestOutput]:
+    """Print each request's text as it streams, accepted drafts in cyan, then its answer_line;
+    one request after another (a later one's updates wait). Returns the outputs."""
+    pending, outputs = {i: [] for i in range(num_requests)}, []
+    for update in updates:
+        pending[update.index].append(update)
+        while len(outputs) < num_requests and pending[len(outputs)]:
+            shown = pending[len(outputs)].pop(0)
+            for drafted, chars in itertools.groupby(
+                zip(shown.delta, shown.drafted), lambda c: c[1]
+            ):
+                text = "".join(c for c, _ in chars)
+                style = "cyan" if drafted else None
+                console.print(text, style=style, end="", markup=False, highlight=False)
+            console.file.flush()
+            if shown.finished:
+                outputs.append(shown.output)
+                console.print("\n" + answer_line(shown.output), style="dim", highlight=False)
+    return outputs
+
+
+def turn_prompt_ids(llm: LLM, text: str, last) -> list[int]:
+    """A chat turn's prompt (text: the template applied to the conversation) as token ids that
+    extend the last turn's prompt and answer ids exactly, not a re-encoding of them (which may
+    split them differently), so prefix caching finds them cached: only the template's text after
+    the answer is encoded. An answer's final special token (EOS: no text) is left to the template,
+    which closes the turn itself."""
+    if last is not None:
+        last_text, last_ids, out = last
+        if text.startswith(last_text + out.text):
+            answer = out.token_ids
+            if answer and llm.tokenizer.decode(answer[-1:]) == "":
+                answer = answer[:-1]
+            rest = llm.tokenizer.encode(text[len(last_text + out.text) :], special=False)
+            return last_ids + answer + rest
+    return llm.tokenizer.encode(text)
+
+
+def chat(llm: LLM, params: SamplingParams, console) -> int:
+    """--chat without prompts: read a line, stream the answer, keep the conversation (the chat
+    template's history); /reset starts over, /exit or Ctrl-D ends."""
+    require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
+    messages, last = [], None  # last: the last turn's prompt text, prompt ids and output
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            return 0
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            messages, last = [], None
+        elif line:
+            messages.append({"role": "user", "content": line})
+            text = llm.tokenizer.apply_chat_template(messages)
+            ids = turn_prompt_ids(llm, text, last)
+            (out,) = print_stream(console, llm.generate(ids, params, stream=True), 1)
+            messages.append({"role": "assistant", "content": out.text})
+            last = (text, ids, out)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from rich.console import Console
 
-    console = Console()
+    console = Console(no_color=args.no_color, soft_wrap=True)
     # The flags named like EngineConfig's fields are the engine's settings.
     engine_args = {f.name for f in fields(EngineConfig)}
     settings = {name: v for name, v in vars(args).items() if name in engine_args and v is not None}
@@ -629,6 +762,8 @@ def main(argv=None) -> int:
         params = SamplingParams(**given)
         llm = LLM(**settings)
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+        if args.chat and not prompts:
+            return chat(llm, params, console)
         prompts = prompts or ["Write a short poem about the sea."]
         if args.chat:
             require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
@@ -636,12 +771,16 @@ def main(argv=None) -> int:
                 llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
             ]
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        if console.is_terminal:  # stream
+            updates = llm.generate(prompts, params, stream=True)
+            outputs = print_stream(console, updates, len(prompts))
+        else:
+            outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
     except (ValueError, FileNotFoundError, RuntimeError, json.JSONDecodeError) as e:
         print(f"nanospec: error: {e}", file=sys.stderr)
         return 2
-    for out in outputs:
+    for out in [] if console.is_terminal else outputs:
         console.rule(f"[bold]{out.finish_reason}[/] · {len(out.token_ids)} tokens")
         console.print(
             out.text if out.text is not None else out.token_ids, highlight=False, markup=False

@@ -1,41 +1,104 @@
 # The paged KV pool: which cache blocks each sequence owns, and the cache tensors those block ids
 # index. One pool serves the target and the draft model (a block id indexes both caches). It must
-# never hand one block to two sequences or lose one: free + used == total at every moment.
+# never hand a block to two sequences unless both read the same cached prefix from it, never write
+# into such a shared block, and never lose one: free + cached + used == total at every moment.
+#
+# Prefix caching: once every position of a full block has its K/V (the target's and the draft
+# model's), the block is keyed by a hash of its tokens chained to the previous block's key, so one
+# key names the whole prefix up to the block's end. A new sequence starts from the longest run of
+# keyed blocks of its tokens. A block whose last reader leaves keeps its key and contents ("cached")
+# until it is reused, least recently released first. Keyed blocks are read-only: a sequence writes
+# only at positions past its keyed blocks, so a hit gives bit for bit what recomputing would (the
+# kernels are row-invariant: a token's K/V depends on its prefix only).
+import hashlib
 import math
 
 import torch
 
 
 class BlockManager:
-    """Owns the free list. A sequence is anything with a `block_table` list of block ids."""
+    """Owns the pool. A sequence is anything with a `block_table` list of block ids and
+    `token_ids`; its keyed blocks always come first in its table."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
-        # a stack: pop() hands out low ids first
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks  # tables holding each block
+        self.key_of: list[bytes | None] = [None] * num_blocks
+        self.block_of: dict[bytes, int] = {}  # key -> the block holding that prefix's K/V
+        # unused, no key: a stack, pop() hands out low ids first
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        # unused, keyed: insertion order is release order, so the first is the least recently used
+        self.cached_blocks: dict[int, None] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks - self.num_cached_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
+    def allocate(self, seq) -> int:
+        """Start a sequence without blocks (new, or preempted) from the longest run of keyed
+        blocks of its tokens; returns how many tokens they hold. Its last token is always left
+        to compute: the step that computes it samples the next."""
+        assert not seq.block_table, "allocate() is for a sequence without blocks"
+        key, size = b"", self.block_size
+        reusable = (len(seq.token_ids) - 1) // size * size if self.enable_prefix_caching else 0
+        for start in range(0, reusable, size):
+            key = chain_key(key, seq.token_ids[start : start + size])
+            if key not in self.block_of:
+                break
+            seq.block_table.append(self.share(self.block_of[key]))
+        return len(seq.block_table) * size
+
     def ensure_slots(self, seq, num_tokens: int) -> bool:
-        """Make seq's block table cover positions [0, num_tokens). All or nothing: False if
-        short."""
+        """Make seq's block table cover positions [0, num_tokens) with blocks of its own. All or
+        nothing: False if short. Unkeyed free blocks go first, then the least recently used
+        cached ones (their keys forgotten)."""
         missing = self.blocks_for(num_tokens) - len(seq.block_table)
-        if missing > len(self.free_blocks):
+        if missing > self.num_free_blocks + self.num_cached_blocks:
             return False
-        seq.block_table.extend(self.free_blocks.pop() for _ in range(missing))
+        seq.block_table.extend(self.take_unused() for _ in range(missing))
         return True
+
+    def register_full_blocks(self, seq, num_computed: int):
+        """Key seq's full blocks below position num_computed: every position there has its K/V in
+        every cache the pool serves (the engine passes min(num_cached, num_draft_cached) with a
+        draft model). A block whose prefix another block already holds is swapped for that one
+        (same bits), and its own copy goes back to the pool."""
+        if not self.enable_prefix_caching:
+            return
+        table, size = seq.block_table, self.block_size
+        full = min(num_computed, len(seq.token_ids)) // size
+        first = full  # keyed blocks come first: find where they end, from the back
+        while first > 0 and self.key_of[table[first - 1]] is None:
+            first -= 1
+        key = self.key_of[table[first - 1]] if first else b""
+        for i in range(first, full):
+            key = chain_key(key, seq.token_ids[i * size : (i + 1) * size])
+            if key in self.block_of:
+                own, table[i] = table[i], self.share(self.block_of[key])
+                self.release(own)
+            else:
+                self.key_of[table[i]], self.block_of[key] = key, table[i]
 
     def trim(self, seq, num_tokens: int):
         """Release the blocks wholly beyond position num_tokens (rejected lookahead, shrunk K)."""
         while len(seq.block_table) > self.blocks_for(num_tokens):
-            self.free_blocks.append(seq.block_table.pop())
+            self.release(seq.block_table.pop())
 
     def free(self, seq):
+        """Release every block, the last first: a prefix's later blocks are then evicted before
+        its earlier ones, which more sequences share."""
         self.trim(seq, 0)
 
     def slot(self, seq, position: int) -> int:
@@ -43,6 +106,39 @@ class BlockManager:
             seq.block_table[position // self.block_size] * self.block_size
             + position % self.block_size
         )
+
+    def writable(self, block: int) -> bool:
+        """A block a sequence may write into: its own alone, holding no cached prefix."""
+        return self.ref_count[block] == 1 and self.key_of[block] is None
+
+    def take_unused(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.pop()
+        else:  # evict the least recently used cached block
+            block = next(iter(self.cached_blocks))
+            del self.cached_blocks[block], self.block_of[self.key_of[block]]
+            self.key_of[block] = None
+        self.ref_count[block] = 1
+        return block
+
+    def share(self, block: int) -> int:
+        self.cached_blocks.pop(block, None)
+        self.ref_count[block] += 1
+        return block
+
+    def release(self, block: int):
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            if self.key_of[block] is None:
+                self.free_blocks.append(block)
+            else:
+                self.cached_blocks[block] = None
+
+
+def chain_key(previous: bytes, tokens: list[int]) -> bytes:
+    """A block's key: its tokens hashed with the previous block's key (SHA-256: two prefixes that
+    collide would silently share K/V)."""
+    return hashlib.sha256(previous + repr(tokens).encode()).digest()
 
 
 def attention_layers(model) -> list:

@@ -73,7 +73,11 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.text: str | None = None  # set at finish; truncated at a stop string
-        self.stop_text, self.decode_offsets = "", (self.num_prompt_tokens,) * 2  # for stop strings
+        # The output decoded token by token (stop strings, streaming), and per character whether an
+        # accepted draft produced it (the CLI colours those).
+        self.decoded, self.decode_offsets = "", (self.num_prompt_tokens,) * 2
+        self.drafted_chars: list[bool] = []
+        self.num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
         self.num_pruned = 0  # drafts the grammar cut before verification (not in num_drafted)
         self.grammar: controls.Grammar | None = None
@@ -109,29 +113,47 @@ class Sequence:
         self.drafted_per_position.update(range(depth))  # per depth
         self.accepted_per_position.update(range(num_accepted))
 
-    def check_stop(self, eos_ids, tokenizer, max_model_len: int) -> bool:
+    def check_stop(self, eos_ids, tokenizer, max_model_len: int, from_draft=False) -> bool:
         """Set finish_reason if the last token ends the request: EOS, a stop token, the grammar's
         end (the grammar is fed each token here), a stop string, max_tokens or the context.
         Called per token, so a step that brings several never emits past a stop."""
         p, last = self.params, self.token_ids[-1]
+        num_new_chars = self.detokenize(tokenizer, from_draft)
         eos = not p.ignore_eos and last in eos_ids
         if eos or last in (p.stop_token_ids or ()) or (self.grammar and self.grammar.commit(last)):
             self.finish_reason = "stop"
         # Stop strings are matched on the decoded output, searching only where the new text could
         # complete one.
         elif p.stop:
-            new_text, self.decode_offsets = tokenizer.decode_next(
-                self.token_ids, *self.decode_offsets
-            )
-            search_from = max(len(self.stop_text) - max(map(len, p.stop)) + 1, 0)
-            self.stop_text += new_text
-            hits = [i for i in (self.stop_text.find(s, search_from) for s in p.stop) if i >= 0]
+            search_from = max(len(self.decoded) - num_new_chars - max(map(len, p.stop)) + 1, 0)
+            hits = [i for i in (self.decoded.find(s, search_from) for s in p.stop) if i >= 0]
             if hits:
-                self.finish_reason, self.text = "stop", self.stop_text[: min(hits)]
+                self.finish_reason, self.text = "stop", self.decoded[: min(hits)]
         at_limit = len(self.output_ids) >= p.max_tokens or len(self) >= max_model_len
         if self.finish_reason is None and at_limit:
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+    def detokenize(self, tokenizer, from_draft: bool, final: bool = False) -> int:
+        """Decode the text the last token completes (an incomplete character waits, until the
+        final call); returns how many characters it added."""
+        if tokenizer is None:  # token ids only
+            return 0
+        new_text, self.decode_offsets = tokenizer.decode_next(
+            self.token_ids, *self.decode_offsets, final=final
+        )
+        self.decoded += new_text
+        self.drafted_chars += [from_draft] * len(new_text)
+        return len(new_text)
+
+    def shown_length(self) -> int:
+        """How much of the decoded text a stream may show while running: all but the longest
+        tail that could still begin a stop string (stop strings are never shown, not in part)."""
+        stops = self.params.stop or []
+        for n in range(min(len(self.decoded), max(map(len, stops), default=1) - 1), 0, -1):
+            if any(s.startswith(self.decoded[-n:]) for s in stops):
+                return len(self.decoded) - n
+        return len(self.decoded)
 
 
 def check_prompt(
@@ -171,6 +193,7 @@ class RequestOutput:
     tpot: float
     latency: float
     num_draft_tokens_pruned: int = 0  # drafts the grammar cut before verification
+    num_cached_tokens: int = 0  # prompt tokens whose K/V a prefix-cache hit supplied
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> "RequestOutput":
@@ -193,7 +216,20 @@ class RequestOutput:
             tpot=(seq.finish_time - first) / max(len(seq.output_ids) - 1, 1),
             latency=seq.finish_time - seq.arrival_time,
             num_draft_tokens_pruned=seq.num_pruned,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
+
+
+@dataclass
+class StreamUpdate:
+    """What one step added to one request (LLM.generate(..., stream=True))."""
+
+    index: int  # the prompt it answers
+    delta: str  # new text: never half a character, never any part of a stop string
+    token_ids: list[int]
+    drafted: list[bool]  # per character of delta: produced by an accepted draft
+    finished: bool
+    output: RequestOutput | None = None  # with the last update
 
 
 @dataclass(slots=True)

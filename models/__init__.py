@@ -144,21 +144,23 @@ class Tokenizer:
         self.config = json.load(open(config_file)) if os.path.exists(config_file) else {}
         self.chat_template = self.config.get("chat_template")
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """special=False: no BOS or other tokens the tokenizer adds around a whole text."""
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def decode_next(
-        self, ids: list[int], prefix_offset: int, read_offset: int
+        self, ids: list[int], prefix_offset: int, read_offset: int, final: bool = False
     ) -> tuple[str, tuple]:
         """Incremental detokenization: the text ids[read_offset:] add, decoded from prefix_offset
         (context for spacing), and the next offsets. An incomplete UTF-8 character waits for the
-        next token."""
+        next token, unless this is the final call (then it decodes as a replacement character, as
+        decode() of the whole would)."""
         prefix = self.decode(ids[prefix_offset:read_offset])
         text = self.decode(ids[prefix_offset:])
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+        if final or len(text) > len(prefix) and not text.endswith("\ufffd"):
             return text[len(prefix) :], (read_offset, len(ids))
         return "", (prefix_offset, read_offset)
 

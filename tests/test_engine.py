@@ -64,7 +64,7 @@ def test_greedy_with_preemption_and_chunked_prefill(target, plain_outputs):
     outs = llm.generate(prompts(10), GREEDY, use_progress=False)
     assert [o.token_ids for o in outs] == plain_outputs
     assert llm.stats["preemptions"] > 0
-    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+    assert llm.blocks.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft", "self", "mlp"])
@@ -83,7 +83,7 @@ def test_speculation_keeps_greedy_output(proposer, k, target, drafts, plain_outp
         )
         outs = llm.generate(prompts(10)[:batch], GREEDY, use_progress=False)
         assert [o.token_ids for o in outs] == plain_outputs[:batch]
-        assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+        assert llm.blocks.num_used_blocks == 0
         drafted, accepted = (
             sum(o.num_draft_tokens for o in outs),
             sum(o.num_accepted_tokens for o in outs),
@@ -213,7 +213,7 @@ def test_abort_frees_blocks(target):
     while llm.has_unfinished():
         llm.step()
     assert b.finish_reason == "length" and len(b.output_ids) == 20
-    assert llm.blocks.num_free_blocks == llm.blocks.num_blocks
+    assert llm.blocks.num_used_blocks == 0
 
 
 def test_acceptance_per_position_pools_requests(target, drafts):

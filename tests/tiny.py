@@ -115,17 +115,30 @@ def write_mlp_speculator(
         json.dump(config, f)
 
 
-def write_char_tokenizer(path):
+# UTF-8 bytes of é (C3 A9), € (E2 82 AC) and 😀 (F0 9F 98 80): with them, write_char_tokenizer's
+# multibyte variant spells these characters over 2-4 tokens.
+BYTE_TOKENS = [0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80]
+
+
+def write_char_tokenizer(path, multibyte=False, chat_template=None):
     """A 96-token character tokenizer (id 0 = <unk>, then printable ASCII), so text-level
     features (stop strings, prompts as text) can be tested on tiny random models. Id 2 is '!',
-    the tiny EOS. Its decoder (byte fallback, then fuse: the text is the tokens joined) is one
-    llguidance recognises, for structured output."""
+    the tiny EOS. multibyte: the last 9 ids ('v' .. '~') are UTF-8 bytes instead (BYTE_TOKENS,
+    byte fallback), so random output splits characters across tokens. chat_template: written
+    to tokenizer_config.json."""
     from tokenizers import Tokenizer, decoders, models
 
-    vocab = {"<unk>": 0, **{chr(c): i + 1 for i, c in enumerate(range(32, 127))}}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    chars = [chr(c) for c in range(32, 127)]
+    if multibyte:
+        chars[-len(BYTE_TOKENS) :] = [f"<0x{b:02X}>" for b in BYTE_TOKENS]
+    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    model = models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=multibyte)
+    tokenizer = Tokenizer(model)
     tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
     tokenizer.save(os.path.join(path, "tokenizer.json"))
+    if chat_template:
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump({"chat_template": chat_template}, f)
 
 
 def cheap_verification(llm):
