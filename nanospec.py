@@ -277,15 +277,7 @@ class LLMEngine:
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(model)
         self.eos_ids = eos_token_ids(self.config, self.tokenizer)
-        self.proposer = make_proposer(
-            c.draft,
-            self.model,
-            num_spec_tokens,
-            c.ngram_min,
-            c.ngram_max,
-            c.suffix_max_requests,
-            c.max_num_batched_tokens,
-        )
+        self.proposer = make_proposer(c, self.model)
         has_draft_model = isinstance(self.proposer, DraftModelProposer)
         cache_models = [self.model] + ([self.proposer.model] if has_draft_model else [])
         # The context is the shortest any model can position: the target's, a draft model's, and a
@@ -308,7 +300,7 @@ class LLMEngine:
             allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device)
             for m in cache_models
         ]
-        self.blocks = BlockManager(num_blocks, block_size, c.enable_prefix_caching)
+        self.blocks = BlockManager(num_blocks, block_size, c.enable_prefix_caching, has_draft_model)
         self.stats = Counter()  # engine-wide: steps, preemptions, kv_moves
         self.k_histogram = Counter()  # K chosen per step
         self.scheduler = Scheduler(
@@ -396,7 +388,7 @@ class LLMEngine:
         for it in scheduled:
             if not it.samples:
                 it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end
-                self.register_blocks(it.seq)
+                self.blocks.register_full_blocks(it.seq)
         sampling = [it for it in scheduled if it.samples]
         if not sampling:
             return []
@@ -450,7 +442,7 @@ class LLMEngine:
                 seq.logprobs.append(token_logprobs(row, t, seq.params.logprobs))
             if seq.check_stop(self.eos_ids, self.tokenizer, self.max_model_len, i < len(path)):
                 break
-        self.register_blocks(seq)  # before a finished sequence frees them: they stay cached
+        self.blocks.register_full_blocks(seq)  # before finish frees them: they stay cached
         if seq.finish_reason is None:
             self.blocks.trim(seq, len(seq))  # give back lookahead blocks that rejected drafts used
         else:
@@ -465,13 +457,6 @@ class LLMEngine:
         if seq.text is None and self.tokenizer is not None:  # no stop string cut it short
             seq.detokenize(self.tokenizer, from_draft=False, final=True)
             seq.text = seq.decoded
-
-    def register_blocks(self, seq: Sequence):
-        """Key seq's full blocks for prefix caching once every cache holds their K/V (a draft
-        model's may lag: then its count decides)."""
-        drafts_cache = isinstance(self.proposer, DraftModelProposer)
-        computed = min(seq.num_cached, seq.num_draft_cached) if drafts_cache else seq.num_cached
-        self.blocks.register_full_blocks(seq, computed)
 
 
 class LLM(LLMEngine):

@@ -20,9 +20,10 @@ class BlockManager:
     """Owns the pool. A sequence is anything with a `block_table` list of block ids and
     `token_ids`; its keyed blocks always come first in its table."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks, block_size, enable_prefix_caching=True, draft_cache=False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        # draft_cache: a draft model's KV cache uses the same block ids (its K/V may lag)
+        self.enable_prefix_caching, self.draft_cache = enable_prefix_caching, draft_cache
         self.ref_count = [0] * num_blocks  # tables holding each block
         self.key_of: list[bytes | None] = [None] * num_blocks
         self.block_of: dict[bytes, int] = {}  # key -> the block holding that prefix's K/V
@@ -70,13 +71,17 @@ class BlockManager:
         seq.block_table.extend(self.take_unused() for _ in range(missing))
         return True
 
-    def register_full_blocks(self, seq, num_computed: int):
-        """Key seq's full blocks below position num_computed: every position there has its K/V in
-        every cache the pool serves (the engine passes min(num_cached, num_draft_cached) with a
-        draft model). A block whose prefix another block already holds is swapped for that one
-        (same bits), and its own copy goes back to the pool."""
+    def register_full_blocks(self, seq, num_computed: int | None = None):
+        """Key seq's full blocks below position num_computed, where every position has its K/V in
+        every cache the pool serves (default: seq.num_cached, with a draft model's cache the lesser
+        of it and seq.num_draft_cached), so a hit serves both models. A block whose prefix another
+        block already holds is swapped for that one (same bits), and its own copy goes back to the
+        pool."""
         if not self.enable_prefix_caching:
             return
+        if num_computed is None:
+            lagging = [seq.num_draft_cached] if self.draft_cache else []
+            num_computed = min([seq.num_cached, *lagging])
         table, size = seq.block_table, self.block_size
         full = min(num_computed, len(seq.token_ids)) // size
         first = full  # keyed blocks come first: find where they end, from the back

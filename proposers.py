@@ -202,23 +202,17 @@ class MLPProposer:
             item.draft_probs = item.draft_probs[: item.num_spec]
 
 
-def make_proposer(
-    draft: str | None,
-    target: torch.nn.Module,
-    num_spec_tokens: int | str,
-    ngram_min: int,
-    ngram_max: int,
-    suffix_max_requests: int,
-    token_budget: int,
-):
-    """The proposer --draft names ('ngram', 'suffix', 'mlp:PATH' or a draft model folder; None:
-    none), loaded with the target's dtype on its device and checked against it."""
+def make_proposer(c, target: torch.nn.Module):
+    """The proposer an EngineConfig c names in c.draft ('ngram', 'suffix', 'mlp:PATH' or a draft
+    model folder; None: none), loaded with the target's dtype on its device and checked against
+    it. (The config is passed whole: its fields are the proposers' settings.)"""
+    draft, num_spec_tokens = c.draft, c.num_spec_tokens
     if draft is None:
         return None
     if draft == "ngram":
-        return NgramProposer(ngram_min, ngram_max)
+        return NgramProposer(c.ngram_min, c.ngram_max)
     if draft == "suffix":
-        return SuffixProposer(suffix_max_requests)
+        return SuffixProposer(c.suffix_max_requests)
     weight = next(target.parameters())
     if draft.startswith("mlp:"):
         from models.mlp_speculator import load_speculator
@@ -242,4 +236,4 @@ def make_proposer(
         f"{draft}: draft vocabulary "
         f"({draft_model.vocab_size}) differs from the target's ({target.vocab_size})",
     )
-    return DraftModelProposer(draft_model, token_budget)
+    return DraftModelProposer(draft_model, c.max_num_batched_tokens)
