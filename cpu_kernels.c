@@ -98,12 +98,13 @@ static inline float hmax(vf v) {  // a max is exact in any order
 //
 // A tile of R rows x P panels keeps its R * P * PV accumulators in registers for the whole of K and
 // reads each weight once for its R rows: a decode or verify step (M <= 6) streams the weights from
-// memory exactly once, so verifying K+1 rows costs little more than one. Prefill (large M) walks
-// the same tiles over row blocks of 6: a thread's weights come back from its L2 for each block,
-// widened again (2 instructions per 24 FMAs on AVX2), while x is broadcast straight from memory.
-// What makes it fast is what the loop does not do: every shape and dtype is a compile-time
-// constant (no flag tests, no spilled row pointers), and x is fp32 before the call, so a broadcast
-// is one load. `bench.py kernels` counts the instructions per FMA of the inner loops.
+// memory exactly once, so verifying K+1 rows costs little more than one. Up to 18 rows, the row
+// blocks of 6 re-read (from cache) and re-widen a thread's weights; beyond (prefill), each K-block
+// of 16-bit weights is widened once into an fp32 buffer that every row block reads (measured:
+// direct wins below 19 rows, blocks above; BENCHMARKS.md, session 12). What makes it fast is what
+// the loop does not do: every shape and dtype is a compile-time constant (no flag tests, no spilled
+// row pointers), and x is fp32 before the call, so a broadcast is one load. `bench.py kernels`
+// counts the instructions per FMA of the inner loops.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
 #if LANES == 16
