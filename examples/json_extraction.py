@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-STR, INT, NUM = {"type": "string"}, {"type": "integer"}, {"type": "number"}
+STR, INT, NUM = {"type": "string", "maxLength": 48}, {"type": "integer"}, {"type": "number"}
 
 
 def obj(**properties):
@@ -81,7 +81,11 @@ KINDS = [  # (schema, text template, records)
             title=STR,
             author=STR,
             year=INT,
-            genres={"type": "array", "items": {"enum": ["novel", "poetry", "essay", "drama"]}},
+            genres={
+                "type": "array",
+                "items": {"enum": ["novel", "poetry", "essay", "drama"]},
+                "maxItems": 4,
+            },
         ),
         'The book "{title}" by {author} came out in {year}; it is {genres}.',
         [
@@ -183,7 +187,7 @@ KINDS = [  # (schema, text template, records)
             title=STR,
             director=STR,
             rating={"type": "number", "minimum": 0, "maximum": 10},
-            cast={"type": "array", "items": STR},
+            cast={"type": "array", "items": STR, "maxItems": 4},
         ),
         "{title}, directed by {director}, is rated {rating} out of 10 and stars {cast}.",
         [
