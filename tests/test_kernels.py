@@ -333,12 +333,17 @@ def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
 
 
 def test_auto_dtype_follows_the_hardware(monkeypatch):
-    """--dtype auto: bf16 where the C kernels run or torch has bf16 instructions, fp32 on a CPU with
-    neither (torch's bf16 matmul is slow there); a GPU keeps a 16-bit checkpoint's dtype."""
+    """--dtype auto: with the C kernels, bf16 on AVX512-BF16 (its dot product) and fp32
+    activations elsewhere (weights packed fp16, use_linears); without them, bf16 where torch has
+    bf16 instructions, fp32 on a CPU with neither (torch's bf16 matmul is slow there); a GPU keeps
+    a 16-bit checkpoint's dtype."""
+    from types import SimpleNamespace
+
     assert kernels.auto_dtype(torch.float16, "cuda") == torch.float16
     assert kernels.auto_dtype(torch.float32, "cuda") == torch.bfloat16
-    monkeypatch.setattr(kernels, "cpu_kernels", lambda: object())  # C kernels built
-    assert kernels.auto_dtype(torch.float32, "cpu") == torch.bfloat16
+    for bf16_dot, want in ((True, torch.bfloat16), (False, torch.float32)):  # C kernels built
+        monkeypatch.setattr(kernels, "cpu_kernels", lambda d=bf16_dot: SimpleNamespace(bf16_dot=d))
+        assert kernels.auto_dtype(torch.float32, "cpu") == want
     monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)  # no C kernels
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512_bf16"})
     assert kernels.auto_dtype(torch.float32, "cpu") == torch.bfloat16
