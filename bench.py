@@ -189,7 +189,10 @@ def main(argv=None):
         for n in (trees if d in ("ngram", "suffix") else [0])
     ]
     results = []
-    base = LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=max(batch_sizes))
+    # Prefix caching off: every repeat runs the same prompts, and a repeat served from the cache
+    # would time a different workload than the first (and than earlier sessions' numbers).
+    settings = dict(device=args.device, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
+    base = LLM(model, dtype=args.dtype, **settings)
     workload = read_workload(args.workload, base.tokenizer if args.chat else None)
     hf = None
     if args.baseline == "hf":
@@ -207,12 +210,11 @@ def main(argv=None):
         else LLM(
             model,
             dtype=base.dtype,
-            device=args.device,
             draft=draft,
             num_spec_tokens=k,
-            max_num_seqs=max(batch_sizes),
             spec_tree_nodes=nodes,
             spec_disable_batch_size=args.spec_disable_batch_size,
+            **settings,
         )
         for draft, k, nodes in configs
     ]
