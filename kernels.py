@@ -152,7 +152,8 @@ def cpu_kernels():
     lib.bf16_dot, lib.f16c = isa == "avx512bf16", isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
-    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr, i32]
+    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr] + [i32] * 4
+    lib.paged_attention.argtypes += [ptr]
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
     return lib
@@ -321,7 +322,7 @@ def c_linear(x, packed, bias, out_features):
     threads = torch.get_num_threads()
     # Prefill's K-blocks need per-thread room: bf16 weights widened once per block, partial sums.
     blocked = w_type and not dot and len(rows) > 6
-    scratch = linear_scratch(threads * (128 * 32 * 4 + len(rows) * 64)) if blocked else None
+    scratch = scratch_space(threads * (128 * 32 * 4 + len(rows) * 64)) if blocked else None
     pointers = [None if t is None else t.data_ptr() for t in (rows, packed, bias, out, scratch)]
     dtypes = (dot, w_type, out.dtype == torch.bfloat16)
     lib.linear(*pointers[:4], len(rows), out_features, rows.shape[1], *dtypes, pointers[4], threads)
@@ -329,10 +330,16 @@ def c_linear(x, packed, bias, out_features):
 
 
 _scratch = torch.empty(0)
+# A decode step at batch 1 has one work item per KV head (3 for the default model): too few for
+# the threads once a context's keys dominate the step. Segments of 256 keys give a context of 2,000
+# 8 items per KV head. Their parts are merged in waves of 64 queries, so the room they take stays
+# small even for a long prefill chunk.
+KEY_SEGMENT, ATTENTION_WAVE = 256, 64
 
 
-def linear_scratch(floats: int) -> torch.Tensor:
-    """One buffer reused by every prefill linear (a fresh one each call would cost page faults)."""
+def scratch_space(floats: int) -> torch.Tensor:
+    """One fp32 buffer reused by every call that needs room (prefill linears, long attention): a
+    fresh one each call would cost page faults. A call never runs inside another."""
     global _scratch
     if _scratch.numel() < floats:
         _scratch = torch.empty(floats)
@@ -413,6 +420,11 @@ def c_paged_attention(
         (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1]) if tree else (None, None, 0)
     )
     pointers = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
+    # Each (query, head) of a wave, and of the query blocks (up to 8 queries) that start in it,
+    # writes head_dim + 2 floats a segment (cpu_kernels.c, "Paged attention").
+    max_segments = -(-int(seq_lens.max()) // KEY_SEGMENT) if len(seq_lens) else 1
+    wave = min(len(q), ATTENTION_WAVE) + 8
+    parts = scratch_space(wave * q.shape[1] * max_segments * (head_dim + 2))
     cpu_kernels().paged_attention(
         *pointers,
         len(seq_lens),
@@ -425,6 +437,10 @@ def c_paged_attention(
         q.dtype == torch.bfloat16,
         torch.get_num_threads(),
         *tree_args,
+        KEY_SEGMENT,
+        max_segments,
+        ATTENTION_WAVE,
+        parts.data_ptr(),
     )
     return out
 
