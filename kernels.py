@@ -207,18 +207,7 @@ def attention(q, k, v, k_cache, v_cache, scale):
     fn = pick(
         q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention
     )
-    return fn(
-        q,
-        k_cache,
-        v_cache,
-        context.block_tables,
-        context.seq_lens,
-        context.query_start_loc,
-        scale,
-        context.max_q_len,
-        context.tree_pos,
-        context.tree_keys,
-    )
+    return fn(q, k_cache, v_cache, scale, context)
 
 
 def linear(x, layer: "Linear"):
@@ -355,30 +344,20 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
-def torch_paged_attention(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    scale,
-    max_q_len=None,
-    tree_pos=None,
-    tree_keys=None,
-):
+def torch_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     """Causal attention of packed queries q [T, Hq, D] over the paged cache -> [T, Hq, D]. Query
     j of sequence b sits at position seq_lens[b] - q_len_b + j and sees cached positions <= it
     (with a tree: logical positions <= tree_pos[t], see AttentionContext). Each query is attended
     on its own, over exactly its keys: the same shapes, so the same arithmetic, whatever the step
     around it."""
-    out = torch.empty_like(q)
+    out, tree_pos, tree_keys = torch.empty_like(q), ctx.tree_pos, ctx.tree_keys
     group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
-    starts = query_start_loc.tolist()
-    for b, seq_len in enumerate(seq_lens.tolist()):
+    starts = ctx.query_start_loc.tolist()
+    for b, seq_len in enumerate(ctx.seq_lens.tolist()):
         positions = torch.arange(seq_len, device=q.device)
         slots = (
-            block_tables[b, positions // block_size].long() * block_size + positions % block_size
+            ctx.block_tables[b, positions // block_size].long() * block_size
+            + positions % block_size
         )
         keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
@@ -395,52 +374,30 @@ def torch_paged_attention(
     return out
 
 
-def c_paged_attention(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    scale,
-    max_q_len=None,
-    tree_pos=None,
-    tree_keys=None,
-):
+def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (fp32 or bf16)."""
     q = q.contiguous()
     tables, seq_lens, starts = (
-        t.long().contiguous() for t in (block_tables, seq_lens, query_start_loc)
+        t.long().contiguous() for t in (ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)
     )
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
-    tree = () if tree_pos is None else tuple(t.long().contiguous() for t in (tree_pos, tree_keys))
-    tree_args = (
-        (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1]) if tree else (None, None, 0)
-    )
-    pointers = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
+    tree, tree_args = (), (None, None, 0)
+    if ctx.tree_pos is not None:  # (tree holds the tensors while the kernel runs)
+        tree = [t.long().contiguous() for t in (ctx.tree_pos, ctx.tree_keys)]
+        tree_args = (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1])
     # Each (query, head) of a wave, and of the query blocks (up to 8 queries) that start in it,
     # writes head_dim + 2 floats a segment (cpu_kernels.c, "Paged attention").
     max_segments = -(-int(seq_lens.max()) // KEY_SEGMENT) if len(seq_lens) else 1
     wave = min(len(q), ATTENTION_WAVE) + 8
     parts = scratch_space(wave * q.shape[1] * max_segments * (head_dim + 2))
+    # cpu_kernels.c's arguments, in its order
+    args = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
+    args += [len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size]
+    args += [scale, q.dtype == torch.bfloat16, torch.get_num_threads(), *tree_args]
     cpu_kernels().paged_attention(
-        *pointers,
-        len(seq_lens),
-        tables.shape[1],
-        q.shape[1],
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        q.dtype == torch.bfloat16,
-        torch.get_num_threads(),
-        *tree_args,
-        KEY_SEGMENT,
-        max_segments,
-        ATTENTION_WAVE,
-        parts.data_ptr(),
+        *args, KEY_SEGMENT, max_segments, ATTENTION_WAVE, parts.data_ptr()
     )
     return out
 
@@ -615,18 +572,7 @@ def _paged_attention_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def triton_paged_attention(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    scale,
-    max_q_len,
-    tree_pos=None,
-    tree_keys=None,
-):
+def triton_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     """Unified varlen paged attention: one kernel for prefill chunks, decode and verification.
     Grid (query blocks, sequences, kv heads), sized from the host int max_q_len (no sync). A
     tile's BLOCK_M rows are (query, head-in-group) pairs, so the GQA heads sharing a KV head read
@@ -642,11 +588,12 @@ def triton_paged_attention(
     group = num_heads // num_kv_heads
     # per model, never per step: a query's tile shape is always the same
     block_m = max(64, _pow2(group))
+    tree_pos, tree_keys, seq_lens = ctx.tree_pos, ctx.tree_keys, ctx.seq_lens
     block_q = 1 if tree_pos is not None else block_m // group
     tree = (
         (seq_lens, seq_lens, 0) if tree_pos is None else (tree_pos, tree_keys, tree_keys.shape[1])
     )
-    grid = (triton.cdiv(max_q_len, block_q), seq_lens.shape[0], num_kv_heads)
+    grid = (triton.cdiv(ctx.max_q_len, block_q), seq_lens.shape[0], num_kv_heads)
     _launch(
         _paged_attention_kernel,
         grid,
@@ -655,9 +602,9 @@ def triton_paged_attention(
             k_cache,
             v_cache,
             out,
-            block_tables,
+            ctx.block_tables,
             seq_lens,
-            query_start_loc,
+            ctx.query_start_loc,
             *tree,
             scale,
             q.stride(0),
@@ -665,7 +612,7 @@ def triton_paged_attention(
             out.stride(0),
             out.stride(1),
             *k_cache.stride()[:3],
-            block_tables.stride(0),
+            ctx.block_tables.stride(0),
         ),
         4,
         BLOCK_SIZE=block_size,

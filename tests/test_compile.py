@@ -48,17 +48,9 @@ def compile_cases():
                 cache = meta(ctx, bs, kv, d, dtype=dtype)
                 # a draft tree
                 tree = (longs(batch * q_len), longs(batch * q_len, 5)) if q_len == 9 else ()
-                kernels.triton_paged_attention(
-                    q_k[:, :-kv],
-                    cache,
-                    cache,
-                    longs(batch, ctx // bs),
-                    longs(batch),
-                    longs(batch + 1),
-                    d**-0.5,
-                    q_len,
-                    *tree,
-                )
+                tables, lens, starts = longs(batch, ctx // bs), longs(batch), longs(batch + 1)
+                context = kernels.AttentionContext(None, tables, lens, starts, q_len, *tree)
+                kernels.triton_paged_attention(q_k[:, :-kv], cache, cache, d**-0.5, context)
             for hidden, residual in ((576, None), (8192, meta(4, 8192, dtype=dtype))):
                 kernels.triton_rms_norm(
                     meta(4, hidden, dtype=dtype), meta(hidden, dtype=dtype), 1e-6, residual

@@ -3,6 +3,7 @@
 # torch references, Triton in the interpreter at fp32/fp16). This is what makes speculative output
 # equal plain decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to
 # end.
+import dataclasses
 import functools
 from unittest import mock
 
@@ -145,7 +146,8 @@ def attention_of_position_44(fn, dtype, block_size):
     base = make_paged_batch(
         [(45, 45), (60, 60), (30, 30), (12, 12), (8, 8)], block_size, 6, 2, 16, dtype
     )
-    q_all, k_cache, v_cache, block_tables, *_ = base
+    q_all, k_cache, v_cache, _, base_ctx = base
+    block_tables = base_ctx.block_tables
     rows = {}
     for name, seqs in ATTENTION_STEPS.items():
         index = {"decode": [0], "verify": [0, 2], "chunk": [0, 3], "prompt": [0, 1, 4]}[name]
@@ -160,9 +162,10 @@ def attention_of_position_44(fn, dtype, block_size):
                 for s, (context, q_len) in zip(index, seqs)
             ]
         )
-        out = fn(
-            q, k_cache, v_cache, block_tables[index], seq_lens, starts, 0.25, int(q_lens.max())
+        ctx = kernels.AttentionContext(
+            None, block_tables[index], seq_lens, starts, int(q_lens.max())
         )
+        out = fn(q, k_cache, v_cache, 0.25, ctx)
         rows[name] = out[int(starts[1]) - 1]  # the last query of the first sequence: position 44
     return rows
 
@@ -245,21 +248,21 @@ def tree_step(block_size, dtype):
     from nanospec import tree_layout
 
     torch.manual_seed(3)
-    q, k_cache, v_cache, block_tables, *_ = make_paged_batch(
-        [(37, 7), (12, 3)], block_size, 6, 2, 16, dtype
-    )
+    q, k_cache, v_cache, _, ctx = make_paged_batch([(37, 7), (12, 3)], block_size, 6, 2, 16, dtype)
     seq_lens, starts = torch.tensor([37, 12]), torch.tensor([0, 7, 10])
     positions, keys, paths = tree_layout(
         [(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []]
     )
-    tree = positions, keys
-    return (q, k_cache, v_cache, block_tables, seq_lens, starts, 0.25, 7), tree, paths
+    chain = kernels.AttentionContext(None, ctx.block_tables, seq_lens, starts, 7)
+    tree = dataclasses.replace(chain, tree_pos=positions, tree_keys=keys)
+    return (q, k_cache, v_cache, 0.25), chain, tree, paths
 
 
-def chain_reference(fn, args, paths):
+def chain_reference(fn, args, ctx, paths):
     """Each tree query decoded alone, its path's K/V copied into the positions after the root;
     then the ordinary sequence alone."""
-    q, k_cache, v_cache, block_tables, *_ = args
+    q, k_cache, v_cache, _ = args
+    block_tables = ctx.block_tables
     block_size, rows = k_cache.shape[1], {}
     for t, path in paths.items():
         k, v = k_cache.clone(), v_cache.clone()
@@ -275,13 +278,14 @@ def chain_reference(fn, args, paths):
 def alone(fn, q, k_cache, v_cache, block_table, context):
     """One sequence's len(q) last queries, an ordinary step."""
     seq_lens, starts = torch.tensor([context]), torch.tensor([0, len(q)])
-    return fn(q, k_cache, v_cache, block_table, seq_lens, starts, 0.25, len(q))
+    ctx = kernels.AttentionContext(None, block_table, seq_lens, starts, len(q))
+    return fn(q, k_cache, v_cache, 0.25, ctx)
 
 
 def check_tree_attention(fn, dtype, block_size):
-    args, tree, paths = tree_step(block_size, dtype)
-    out = fn(*args, *tree)
-    rows, ordinary = chain_reference(fn, args, paths)
+    args, chain, tree, paths = tree_step(block_size, dtype)
+    out = fn(*args, tree)
+    rows, ordinary = chain_reference(fn, args, chain, paths)
     for t, row in rows.items():
         assert torch.equal(out[t], row), f"tree query {t} differs from its path decoded as a chain"
     assert torch.equal(out[7:], ordinary), "an ordinary query beside a tree changed"
@@ -300,10 +304,10 @@ def test_torch_tree_attention_equals_chain(dtype):
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_triton_tree_attention_matches_torch(block_size):
-    args, tree, _ = tree_step(block_size, torch.float32)
-    want = kernels.torch_paged_attention(*args, *tree)
+    args, _, tree, _ = tree_step(block_size, torch.float32)
+    want = kernels.torch_paged_attention(*args, tree)
     torch.testing.assert_close(
-        kernels.triton_paged_attention(*args, *tree), want, atol=1e-5, rtol=1e-5
+        kernels.triton_paged_attention(*args, tree), want, atol=1e-5, rtol=1e-5
     )
     # GPU mma rows are row-invariant: the C and torch tests' bitwise check
     if torch.cuda.is_available():

@@ -127,16 +127,8 @@ def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype)
     q_lens = torch.tensor([q_len for _, q_len in seqs], device=DEVICE)
     query_start_loc = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
     q, _, _ = qkv_views(int(q_lens.sum()), num_heads, num_kv_heads, head_dim, dtype)
-    return (
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        head_dim**-0.5,
-        int(q_lens.max()),
-    )
+    ctx = kernels.AttentionContext(None, block_tables, seq_lens, query_start_loc, int(q_lens.max()))
+    return q, k_cache, v_cache, head_dim**-0.5, ctx
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

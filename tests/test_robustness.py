@@ -317,15 +317,9 @@ def test_c_attention_over_a_long_context():
     k_cache = torch.randn(context // block_size, block_size, num_kv_heads, head_dim)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(2, num_kv_heads * group, head_dim)
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        torch.arange(context // block_size)[None],
-        torch.tensor([context]),
-        torch.tensor([0, 2]),
-        head_dim**-0.5,
-    )
+    tables, seq_lens = torch.arange(context // block_size)[None], torch.tensor([context])
+    ctx = kernels.AttentionContext(None, tables, seq_lens, torch.tensor([0, 2]), 2)
+    args = (q, k_cache, v_cache, head_dim**-0.5, ctx)
     assert torch.allclose(
         kernels.c_paged_attention(*args), kernels.torch_paged_attention(*args), atol=1e-5
     )
