@@ -402,21 +402,25 @@ def bench_kernels(argv=None):
             onednn = best_of(run_linears(rows, torch.bfloat16, bf16_weights), 3)
             line += f"; oneDNN bf16 GEMM {flop / onednn / 1e9:.0f}"
         print(line)
-    # Contexts 100 and 700 (the issue's decode and summarization steps), 2000 (long chats): what
-    # a context adds to a T=1 step over context 100 is, nearly all, attention's share.
-    probe = Sequence(list(range(1000, 1000 + 2010)), SamplingParams(), llm.device)
+    # Contexts 100 and 700 (the issue's decode and summarization steps), 1000-4000 (long chats):
+    # what a context adds to a step over the same T at context 100 is, nearly all, attention's.
+    probe = Sequence(list(range(1000, 1000 + 4010)), SamplingParams(), llm.device)
     assert llm.blocks.ensure_slots(probe, len(probe)), "the KV pool is too small for the probe"
+    for start in range(0, 4000, 500):  # the cache holds every context
+        time_forward(llm, probe, 500, start)
     base = None
-    for context in (100, 700, 2000):
-        time_forward(llm, probe, context, 0)  # the cache holds the context
+    for context in (100, 700, 1000, 2000, 4000):
         times = {
             t: best_of(lambda t=t, c=context: time_forward(llm, probe, t, c)) for t in (1, 5, 9)
         }
-        base = base or times[1]
+        base = base or times
         print(
             f"forward, context {context}: "
-            + ", ".join(f"T={t} {1e3 * s:.1f} ms ({s / times[1]:.2f}x)" for t, s in times.items())
-            + f"; attention ~{max(times[1] - base, 0) / times[1]:.0%} of T=1 over context 100's"
+            + ", ".join(
+                f"T={t} {1e3 * s:.1f} ms ({s / times[1]:.2f}x, attention ~"
+                f"{max(s - base[t], 0) / s:.0%})"
+                for t, s in times.items()
+            )
         )
     llm.blocks.free(probe)
     # Each tile shape and dtype is its own loop: the widest tiles (most FMAs) are what decode,

@@ -46,6 +46,9 @@ class GoodputChooser:
         margin: float = 0.05,
     ):
         self.k_max, self.ema, self.margin = k_max, ema, margin
+        # A draft more must promise this much more goodput than the choice without it: near
+        # break-even, a few percent of profile noise no longer flips K from run to run.
+        self.tie = 0.02
         # tokens in the target forward -> seconds (start-up profile)
         self.verify_time = dict(verify_time)
         self.key_time = key_time  # seconds per token per cached key it attends to (profile)
@@ -76,7 +79,7 @@ class GoodputChooser:
             num_tokens, keys, expected = num_tokens + 1, keys + contexts[i], expected - minus_value
             max_k, drafting = max(max_k, ks[i]), drafting + (ks[i] == 1)
             goodput = expected / self.step_time(num_tokens, keys, max_k, drafting)
-            if goodput > best:
+            if goodput > best * (1 + self.tie):
                 best, best_ks = goodput, list(ks)
         return best_ks
 
@@ -140,21 +143,27 @@ def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float
     try:
         if context:  # cached once: the forwards from position 0 rewrite the same tokens' K/V
             engine.forward(engine.model, [(probe, probe.token_ids[:context], 0)])
-        # Three passes, each size's best kept: a burst of other work on the machine spoils a
+        # Five passes, each size's best kept: a burst of other work on the machine spoils a
         # pass, not a size (a spoilt size or context bent the costs: drafting looked too dear to
-        # try, K stayed 0). Sizes past 64 take long enough that a burst hardly moves them: one
-        # pass (a second saved).
+        # try, K stayed 0). The sizes verification uses (up to 8 tokens) decide K: with three
+        # passes, three runs on a busy machine chose K = 3 in one and 4 in another. Sizes past 64
+        # take long enough that a burst hardly moves them: one pass (a second saved).
         passes = [
             [
-                time_forward(engine, probe, size, 0) if p == 0 or size <= 64 else math.inf
+                time_forward(engine, probe, size, 0)
+                if p == 0 or size <= (64 if p < 3 else 8)
+                else math.inf
                 for size in sizes
             ]
             + [time_forward(engine, probe, n, context)]
-            for p in range(3)
+            for p in range(5)
         ]
     finally:
         engine.blocks.free(probe)
     *best, with_context = map(min, zip(*passes))
+    # Noise only ever adds time, and more tokens never cost less: a size costs at most what any
+    # larger one measured (a burst during size 2's passes had it cost more than size 8).
+    best = [min(best[i:]) for i in range(len(best))]
     table = dict(zip(sizes, best))
     return table, max(with_context - table[n], 0.0) / (n * context) if context else 0.0
 
