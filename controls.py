@@ -150,14 +150,20 @@ def grammar_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: tuple):
 
 def prune_drafts(items):
     """Cut the drafts each ScheduledSeq's grammar forbids, before verification; count them apart
-    (Sequence.num_pruned). Model drafts are chains: their probabilities keep the kept prefix."""
+    (Sequence.num_pruned). Model drafts are chains: their probabilities keep the kept prefix.
+    One-hot drafts (n-gram, suffix) give way to the tokens the grammar forces (a JSON key and its
+    quotes, in the tokenizer's own split) where those reach deeper: the model, masked, can only
+    say the same bytes, and it says them in that split almost always."""
     for it in items:
         if it.samples and it.seq.grammar:
             num_drafts = len(it.drafts)
             it.drafts, it.parents = it.seq.grammar.prune(it.drafts, it.parents)
             it.seq.num_pruned += num_drafts - len(it.drafts)
+            forced = it.seq.grammar.matcher.compute_ff_tokens()[: it.max_depth]  # ~10 us
             if it.draft_probs is not None:
                 it.draft_probs = it.draft_probs[: len(it.drafts)]
+            elif len(forced) > it.depth():
+                it.drafts, it.parents = forced, list(range(-1, len(forced) - 1))
 
 
 def grammar_source(field: str, value) -> str:

@@ -9,6 +9,7 @@ import torch
 
 import controls
 from nanospec import SamplingParams
+from sequence import ScheduledSeq, Sequence
 
 V = tiny.VOCAB
 
@@ -201,3 +202,16 @@ def test_uncompilable_grammars_name_the_field(ll_tokenizer, field, value, proble
     with pytest.raises(ValueError, match=f"SamplingParams.{field} cannot be compiled") as error:
         controls.Grammar(ll_tokenizer, SamplingParams(**{field: value}))
     assert problem in str(error.value)
+
+
+def test_forced_tokens_replace_shallower_one_hot_drafts(ll_tokenizer):
+    seq = Sequence([1, 2], SamplingParams(json_schema=SCHEMA), torch.device("cpu"))
+    seq.grammar = controls.Grammar(ll_tokenizer, seq.params)
+    cut = ScheduledSeq(seq, 1, 4, True, max_depth=4, drafts=ids("{x"), parents=[-1, 0])
+    controls.prune_drafts([cut])
+    # '{"n": ' is forced: its first 4 tokens (max_depth) replace the 1 draft the grammar left
+    assert cut.drafts == ids('{"n"') and cut.parents == [-1, 0, 1, 2]
+    assert seq.num_pruned == 1  # the cut draft is counted; the forced ones are verified drafts
+    deeper = ScheduledSeq(seq, 1, 4, True, max_depth=2, drafts=ids('{"n'), parents=[-1, 0, 1])
+    controls.prune_drafts([deeper])  # the forced tokens (2 at most here) do not reach deeper
+    assert deeper.drafts == ids('{"n')
