@@ -64,10 +64,10 @@ def process_logits(
     history: list[int],
     num_prompt_tokens: int,
     params,
-    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One row of logits [V] -> float32 logits after the controls, in vLLM's order: the grammar's
-    `allowed` mask [V] (bool) and allowed_token_ids, logit_bias, the penalties (repetition over
+    """One row of logits [V] -> float32 logits after the controls, in vLLM's order (the grammar's
+    mask comes first, in apply(): a fill with -inf commutes with this one): allowed_token_ids,
+    logit_bias, the penalties (repetition over
     `history`, prompt and output; presence and frequency over the output, history after the
     prompt), then min_p on the temperature-scaled distribution. Forbidden tokens get -inf."""
     logits = logits.float().clone()
@@ -75,8 +75,6 @@ def process_logits(
         outside = torch.ones_like(logits, dtype=torch.bool)
         outside[params.allowed_token_ids] = False
         logits.masked_fill_(outside, -math.inf)
-    if allowed is not None:
-        logits.masked_fill_(~allowed, -math.inf)
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias))
         logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
@@ -107,22 +105,21 @@ def row_paths(drafts: list[int], parents: list[int]) -> list[list[int]]:
 
 
 def apply(owners: list[tuple], logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] after each request's controls and grammar. owners: (sequence, paths) in row
+    """logits [R, V] after each request's grammar and controls. owners: (sequence, paths) in row
     order, one path per row (row_paths): the row is processed with the history sequence.token_ids
     + path, plain decoding's at that position. Returns logits itself when nothing applies, else
     a float32 copy (the raw rows stay for logprobs)."""
-    active = [seq.grammar is not None or has_controls(seq.params) for seq, _ in owners]
-    if not any(active):
+    if not any(seq.grammar is not None or has_controls(seq.params) for seq, _ in owners):
         return logits
     logits, start = logits.to(torch.float32, copy=True), 0
-    for (seq, paths), on in zip(owners, active):
-        for row, path in enumerate(paths, start):
-            if on:
-                allowed = seq.grammar and seq.grammar.allowed_after(path)
-                history = seq.token_ids + path
-                logits[row] = process_logits(
-                    logits[row], history, seq.num_prompt_tokens, seq.params, allowed
-                )
+    for seq, paths in owners:
+        if seq.grammar is not None:  # one fill for all the request's rows: no per-row copies
+            logits[start : start + len(paths)].masked_fill_(
+                seq.grammar.forbidden_after(paths), -math.inf
+            )
+        for row, path in enumerate(paths if has_controls(seq.params) else [], start):
+            history = seq.token_ids + path
+            logits[row] = process_logits(logits[row], history, seq.num_prompt_tokens, seq.params)
         start += len(paths)
     return logits
 
@@ -153,14 +150,20 @@ def grammar_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: tuple):
 
 def prune_drafts(items):
     """Cut the drafts each ScheduledSeq's grammar forbids, before verification; count them apart
-    (Sequence.num_pruned). Model drafts are chains: their probabilities keep the kept prefix."""
+    (Sequence.num_pruned). Model drafts are chains: their probabilities keep the kept prefix.
+    One-hot drafts (n-gram, suffix) give way to the tokens the grammar forces (a JSON key and its
+    quotes, in the tokenizer's own split) where those reach deeper: the model, masked, can only
+    say the same bytes, and it says them in that split almost always."""
     for it in items:
         if it.samples and it.seq.grammar:
             num_drafts = len(it.drafts)
             it.drafts, it.parents = it.seq.grammar.prune(it.drafts, it.parents)
             it.seq.num_pruned += num_drafts - len(it.drafts)
+            forced = it.seq.grammar.matcher.compute_ff_tokens()[: it.max_depth]  # ~10 us
             if it.draft_probs is not None:
                 it.draft_probs = it.draft_probs[: len(it.drafts)]
+            elif len(forced) > it.depth():
+                it.drafts, it.parents = forced, list(range(-1, len(forced) - 1))
 
 
 def grammar_source(field: str, value) -> str:
@@ -196,12 +199,6 @@ class Grammar:
         require(not problem, f"SamplingParams.{field} cannot be compiled: {problem}")
         self.vocab_size = ll_tokenizer.vocab_size
 
-    def allowed(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar allows next."""
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size]
-        return torch.from_numpy(mask).bool()
-
     def prune(self, drafts: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
         """Cut the drafts the grammar forbids after their root-to-node path, with their subtrees,
         before they take a verify row. Returns the kept drafts and their parents re-indexed."""
@@ -214,20 +211,24 @@ class Grammar:
                 kept_parents.append(index[parent])
         return kept, kept_parents
 
-    def allowed_after(self, path: list[int]) -> torch.Tensor:
-        """[V] bool: the tokens allowed after the committed tokens and `path` (grammar-valid), then
-        back to the committed state. Tokens after the grammar's end are not fed: plain decoding
-        stops there, so what their rows give is never emitted (and llguidance does not count a
-        token fed after the end when rolling back)."""
-        fed = 0
-        for token in path:
-            if self.matcher.is_stopped():
-                break
-            self.matcher.consume_token(token)
-            fed += 1
-        allowed = self.allowed()
-        self.matcher.rollback(fed)
-        return allowed
+    def forbidden_after(self, paths: list[list[int]]) -> torch.Tensor:
+        """[len(paths), V] bool: the tokens the grammar forbids after the committed tokens and
+        each path (grammar-valid), then back to the committed state. Tokens after the grammar's
+        end are not fed: plain decoding stops there, so what their rows give is never emitted (and
+        llguidance does not count a token fed after the end when rolling back)."""
+        masks = []
+        for path in paths:
+            fed = 0
+            for token in path:
+                if self.matcher.is_stopped():
+                    break
+                self.matcher.consume_token(token)
+                fed += 1
+            masks.append(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8))
+            self.matcher.rollback(fed)
+        # One unpacking for all rows, of the complement: no [V] negation, no copy into torch.
+        bits = np.unpackbits(~np.stack(masks), axis=1, count=self.vocab_size, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))
 
     def commit(self, token: int) -> bool:
         """Feed one emitted token; True when it ends the grammar (the request then stops)."""

@@ -2,7 +2,9 @@
 # for structured output with speculation: 10 schemas (nested objects, arrays, enums, numbers,
 # strings with quotes and backslashes) x 5 records = 50 requests. `python
 # examples/json_extraction.py` times plain constrained decoding against n-gram and suffix
-# speculation at batch 1 on the default model, and the grammar's share of a decode step.
+# speculation (K = 4 and auto) at batch 1 on the default model, the engines taking turns request
+# by request, and the grammar masks' share of a plain decode step (BENCHMARKS.md, session 13).
+import argparse
 import json
 import statistics
 import sys
@@ -348,68 +350,78 @@ def workload() -> list[tuple[str, dict]]:
 
 def main():
     from nanospec import LLM, SamplingParams
+    from proposers import SuffixProposer
 
-    kwargs = dict(dtype=sys.argv[1] if len(sys.argv) > 1 else "auto")
+    p = argparse.ArgumentParser(description="plain vs speculative constrained decoding, batch 1")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--repeat", type=int, default=2, help="passes over the requests")
+    p.add_argument("--every", type=int, default=1, help="every n-th request (5: one per schema)")
+    args = p.parse_args()
+    # No prefix caching: a later repeat must not find its prompts cached.
+    kwargs = dict(dtype=args.dtype, enable_prefix_caching=False)
     engines = {
         "plain": LLM(**kwargs),
         "ngram K=4": LLM(draft="ngram", num_spec_tokens=4, **kwargs),
         "suffix K=4": LLM(draft="suffix", num_spec_tokens=4, **kwargs),
+        "ngram auto": LLM(draft="ngram", **kwargs),
+        "suffix auto": LLM(draft="suffix", **kwargs),
     }
     tokenizer = engines["plain"].tokenizer
     requests = [
         (tokenizer.apply_chat_template([{"role": "user", "content": q}]), schema)
-        for q, schema in workload()
+        for q, schema in workload()[:: args.every]
     ]
     import controls
 
-    grammar_time = [0.0]
+    mask_time = [0.0, 0]  # seconds in controls.apply (the grammar's masks: no other control here)
 
-    def timed(function):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            result = function(*args, **kwargs)
-            grammar_time[0] += time.perf_counter() - start
-            return result
+    def timed_apply(*a, **kw):
+        start = time.perf_counter()
+        result = apply(*a, **kw)
+        mask_time[0], mask_time[1] = mask_time[0] + time.perf_counter() - start, mask_time[1] + 1
+        return result
 
-        return run
-
-    # the grammar's work: masks (with the other controls: none here), cuts, feeding tokens
-    controls.apply = timed(controls.apply)
-    for method in ("prune", "commit"):
-        setattr(controls.Grammar, method, timed(getattr(controls.Grammar, method)))
-    times, outputs, plain_grammar_time = {name: [] for name in engines}, {}, 0.0
-    for prompt, schema in requests:  # batch 1; the engines take turns, so a busy spell hits all
-        params = SamplingParams(temperature=0, max_tokens=200, json_schema=schema)
-        for name, llm in engines.items():
-            grammar_time[0], start = 0.0, time.perf_counter()
-            outputs.setdefault(name, []).append(
-                llm.generate([prompt], params, use_progress=False)[0]
-            )
-            times[name].append(time.perf_counter() - start)
-            plain_grammar_time += grammar_time[0] if name == "plain" else 0.0
-    share = plain_grammar_time / sum(times["plain"])
-    plain_tokens = sum(len(o.token_ids) for o in outputs["plain"])
+    apply, controls.apply = controls.apply, timed_apply
+    times = {name: [] for name in engines}  # per (repeat, request)
+    outputs = {name: [] for name in engines}
+    masks = []  # per plain request: (ms of masks per step, ms per decode step)
+    for _ in range(args.repeat):
+        for llm in engines.values():  # a repeat must not draft from the last repeat's outputs
+            if isinstance(llm.proposer, SuffixProposer):
+                llm.proposer = SuffixProposer(max_requests=256)
+        for prompt, schema in requests:  # batch 1; the engines take turns: noise hits them all
+            params = SamplingParams(temperature=0, max_tokens=200, json_schema=schema)
+            for name, llm in engines.items():
+                mask_time[:], start = [0.0, 0], time.perf_counter()
+                outputs[name] += llm.generate([prompt], params, use_progress=False)
+                times[name].append(time.perf_counter() - start)
+                if name == "plain":  # its masks per step against its decode steps (TPOT)
+                    masks.append(
+                        (1000 * mask_time[0] / mask_time[1], 1000 * outputs[name][-1].tpot)
+                    )
+    plain = outputs["plain"]
+    num_tokens = sum(len(o.token_ids) for o in plain)
     for name in engines:
         outs = outputs[name]
-        same = [o.token_ids for o in outs] == [o.token_ids for o in outputs["plain"]]
+        same = [o.token_ids for o in outs] == [o.token_ids for o in plain]
         parsed = sum(1 for o in outs if o.finish_reason == "stop" and json.loads(o.text))
         drafted, accepted = (
             sum(o.num_draft_tokens for o in outs),
             sum(o.num_accepted_tokens for o in outs),
         )
         pruned = sum(o.num_draft_tokens_pruned for o in outs)
+        steps = num_tokens - accepted  # each step emits its accepted drafts and one token
         print(
-            f"{name:12s} {sum(times[name]):7.1f} s  {plain_tokens / sum(times[name]):6.1f} tok/s  "
+            f"{name:12s} {sum(times[name]):6.1f} s  {num_tokens / sum(times[name]):5.1f} tok/s  "
             f"speedup {sum(times['plain']) / sum(times[name]):.2f}x (median per request "
             f"{statistics.median(p / t for p, t in zip(times['plain'], times[name])):.2f}x)  "
-            f"identical to plain: {same}  parsed {parsed}/50  drafted {drafted} accepted {accepted}"
-            f" cut by grammar {pruned}"
+            f"tokens/step {num_tokens / steps:.2f}  identical to plain: {same}  "
+            f"parsed {parsed}/{len(outs)}  drafted {drafted} accepted {accepted} cut {pruned}"
         )
-    steps = plain_tokens  # plain decoding: one step per token
+    mask_ms, step_ms = (statistics.median(m[i] for m in masks) for i in (0, 1))
     print(
-        f"grammar work in plain decoding: {100 * share:.1f}% of the time, "
-        f"{1000 * share * sum(times['plain']) / steps:.2f} ms per step of "
-        f"{1000 * sum(times['plain']) / steps:.1f} ms"
+        f"grammar masks in plain decoding: {mask_ms:.3f} ms per step (median over requests), "
+        f"a decode step (TPOT) {step_ms:.1f} ms: {100 * mask_ms / step_ms:.1f}%"
     )
 
 

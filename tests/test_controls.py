@@ -9,6 +9,7 @@ import torch
 
 import controls
 from nanospec import SamplingParams
+from sequence import ScheduledSeq, Sequence
 
 V = tiny.VOCAB
 
@@ -141,7 +142,7 @@ def allowed_after(ll_tokenizer, params, path: list[int]) -> torch.Tensor:
     fresh = controls.Grammar(ll_tokenizer, params)
     for t in path:
         fresh.commit(t)
-    return fresh.allowed()
+    return ~fresh.forbidden_after([[]])[0]
 
 
 SCHEMA = {
@@ -157,27 +158,29 @@ def test_prune_cuts_forbidden_drafts_and_masks_follow_each_path(ll_tokenizer):
     committed = ids('{"n": 1')
     for t in committed:
         assert not grammar.commit(t)
-    before = grammar.allowed()
+    before = grammar.forbidden_after([[]])
     # a tree: "2" -> {",", "x" (forbidden) -> "3"}, "," -> " " -> '"', then "5", and "}" (forbidden:
     # "tag" is required)
     drafts, parents = ids("2,x3 ") + ids('"') + ids("5}"), [-1, 0, 0, 2, 1, 4, -1, -1]
     kept, kept_parents = grammar.prune(drafts, parents)
     assert kept == ids('2, "5')
     assert kept_parents == [-1, 0, 1, 2, -1]
-    for path in [[], ids("2"), ids("2,"), ids('2, "'), ids("5")]:
-        got = grammar.allowed_after(path)
-        assert torch.equal(got, allowed_after(ll_tokenizer, params, committed + path))
-        assert torch.equal(grammar.allowed(), before)  # rolled back to the committed tokens
+    paths = [[], ids("2"), ids("2,"), ids('2, "'), ids("5")]
+    for path, forbidden in zip(paths, grammar.forbidden_after(paths)):  # one row per path
+        assert torch.equal(~forbidden, allowed_after(ll_tokenizer, params, committed + path))
+    assert torch.equal(grammar.forbidden_after([[]]), before)  # rolled back to the committed tokens
 
 
 def test_grammar_end_stops_the_request(ll_tokenizer):
     grammar = controls.Grammar(ll_tokenizer, grammar_params())
     kept, _ = grammar.prune(ids("yes") + [2] + ids("s"), [-1, 0, 1, 2, 3])
     assert kept == ids("yes") + [2]  # only EOS may follow "yes"
-    assert grammar.allowed_after(ids("yes")).nonzero().flatten().tolist() == [2]
     # past the end nothing is fed (the row is never used), and the matcher stays as it was
-    assert grammar.allowed_after(ids("yes") + [2, 2]).nonzero().flatten().tolist() == [2]
-    assert torch.equal(grammar.allowed(), allowed_after(ll_tokenizer, grammar_params(), []))
+    for allowed in ~grammar.forbidden_after([ids("yes"), ids("yes") + [2, 2]]):
+        assert allowed.nonzero().flatten().tolist() == [2]
+    assert torch.equal(
+        ~grammar.forbidden_after([[]])[0], allowed_after(ll_tokenizer, grammar_params(), [])
+    )
     assert [grammar.commit(t) for t in ids("yes")] == [False, False, True]
 
 
@@ -199,3 +202,16 @@ def test_uncompilable_grammars_name_the_field(ll_tokenizer, field, value, proble
     with pytest.raises(ValueError, match=f"SamplingParams.{field} cannot be compiled") as error:
         controls.Grammar(ll_tokenizer, SamplingParams(**{field: value}))
     assert problem in str(error.value)
+
+
+def test_forced_tokens_replace_shallower_one_hot_drafts(ll_tokenizer):
+    seq = Sequence([1, 2], SamplingParams(json_schema=SCHEMA), torch.device("cpu"))
+    seq.grammar = controls.Grammar(ll_tokenizer, seq.params)
+    cut = ScheduledSeq(seq, 1, 4, True, max_depth=4, drafts=ids("{x"), parents=[-1, 0])
+    controls.prune_drafts([cut])
+    # '{"n": ' is forced: its first 4 tokens (max_depth) replace the 1 draft the grammar left
+    assert cut.drafts == ids('{"n"') and cut.parents == [-1, 0, 1, 2]
+    assert seq.num_pruned == 1  # the cut draft is counted; the forced ones are verified drafts
+    deeper = ScheduledSeq(seq, 1, 4, True, max_depth=2, drafts=ids('{"n'), parents=[-1, 0, 1])
+    controls.prune_drafts([deeper])  # the forced tokens (2 at most here) do not reach deeper
+    assert deeper.drafts == ids('{"n')
