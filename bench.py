@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanospec import LLM, SamplingParams, read_prompts_file, spec_metrics
+from nanospec import LLM, SamplingParams, read_prompts_file, spec_metrics, turn_prompt_ids
 
 # The built-in workloads, in examples/. 'grounded': 16 functions of Python's standard library (3.11)
 # to rewrite with comments, an input-grounded workload where prompt lookup should shine. 'chat':
@@ -111,6 +111,49 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
     return {"tok_s": float(np.median(runs)), "tok_s_runs": runs}
 
 
+TURN = "{} prompt tokens ({} cached), {} out: TTFT {:.3f} s, {:.1f} tok/s"
+
+
+def turn_numbers(out) -> tuple:
+    """A turn's prompt tokens, those a prefix-cache hit supplied, output tokens, TTFT, tok/s."""
+    n = len(out.token_ids)
+    return len(out.prompt_token_ids), out.num_cached_tokens, n, out.ttft, n / out.latency
+
+
+def two_turns(args, model, settings, params) -> list:
+    """Two-turn conversations at batch 1 (MT-bench's rows have two 'turns'): turn 1 on an engine
+    with prefix caching, then turn 2 (the chat template over turn 1's question and answer and the
+    second question, extending turn 1's prompt and answer token for token, as --chat does) on it
+    and, right after, on one without: a slow spell of a shared machine hits both alike. Returns
+    each conversation's turn_numbers() of turn 1, turn 2 and turn 2 without caching."""
+    caching = [dict(settings, enable_prefix_caching=on) for on in (True, False)]
+    engines = [LLM(model, dtype=args.dtype, **s) for s in caching]
+    llm = engines[0]
+    for engine in engines:  # warm-up
+        engine.generate(["Hello"], SamplingParams(max_tokens=8), use_progress=False)
+    rows, identical = [], True
+    for line in open(args.workload).readlines()[: args.num_prompts or 5]:
+        turns = [{"role": "user", "content": q} for q in json.loads(line)["turns"][:2]]
+        text = llm.tokenizer.apply_chat_template(turns[:1])
+        ids = llm.tokenizer.encode(text)
+        (first,) = llm.generate([ids], params, use_progress=False)
+        history = [turns[0], {"role": "assistant", "content": first.text}, turns[1]]
+        ids = turn_prompt_ids(llm, llm.tokenizer.apply_chat_template(history), (text, ids, first))
+        second = [e.generate([ids], params, use_progress=False)[0] for e in engines]
+        rows.append([turn_numbers(out) for out in (first, *second)])
+        identical &= second[0].token_ids == second[1].token_ids  # prefix caching is exact
+        names = ("turn 1", "turn 2", "turn 2 without caching")
+        print(" | ".join(f"{name}: " + TURN.format(*n) for name, n in zip(names, rows[-1])))
+    ratios = [without[3] / cached[3] for _, cached, without in rows]
+    # the hit rate over both turns on the engine with caching
+    cached, prompt = (sum(r[turn][i] for r in rows for turn in (0, 1)) for i in (1, 0))
+    print(
+        f"turn 2's TTFT {np.median(ratios):.1f}x shorter with prefix caching (median of "
+        f"{len(ratios)}); prefix-cache hit rate {cached / prompt:.0%}; identical: {identical}"
+    )
+    return rows
+
+
 def machine_info(dtype, device):
     import kernels
 
@@ -136,9 +179,8 @@ def machine_info(dtype, device):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="nanospec throughput / acceptance sweeps")
-    p.add_argument(
-        "--model", default="default", help="model folder, or 'default' (SmolLM2-135M-Instruct)"
-    )
+    # 'default': the embedded SmolLM2-135M-Instruct
+    p.add_argument("--model", default="default", help="model folder, or 'default'")
     p.add_argument(
         "--draft", default="none,ngram", help="comma list of: none, ngram, suffix, PATH, mlp:PATH"
     )
@@ -147,24 +189,24 @@ def parse_args(argv=None):
         "--spec-tree-nodes", default="0", help="comma list of tree node budgets (0: chains)"
     )
     p.add_argument("--batch-sizes", default="1,4,16")
-    p.add_argument(
-        "--workload", default="grounded", help="'grounded', 'chat' (built in) or a JSONL file"
-    )
-    p.add_argument(
-        "--num-prompts", type=int, default=0, help="prompts per run (default: the batch size)"
-    )
+    # built in: 'grounded' and 'chat' (examples/); a file: JSONL rows with 'prompt' or 'turns'
+    p.add_argument("--workload", default="grounded", help="'grounded', 'chat' or a JSONL file")
+    # default: the batch size (with --two-turns: 5 conversations)
+    p.add_argument("--num-prompts", type=int, default=0, help="prompts per run")
     p.add_argument(
         "--chat", action=argparse.BooleanOptionalAction, default=True, help="apply chat template"
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument(
-        "--dtype", default="auto", help="auto (for the hardware), float32, bfloat16, float16"
-    )
+    # auto: for the hardware (kernels.auto_dtype)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--spec-disable-batch-size", type=int)
     p.add_argument("--repeat", type=int, default=3)
+    # --workload's rows with two 'turns' (MT-bench), at batch 1, plain decoding: turn 2's time to
+    # first token with prefix caching and without, and the hit rate (two_turns())
+    p.add_argument("--two-turns", action="store_true", help="two-turn chats: TTFT with the cache")
     p.add_argument("--json", help="write every raw number here")
     return p.parse_args(argv)
 
@@ -192,6 +234,9 @@ def main(argv=None):
     # Prefix caching off: every repeat runs the same prompts, and a repeat served from the cache
     # would time a different workload than the first (and than earlier sessions' numbers).
     settings = dict(device=args.device, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
+    settings["spec_disable_batch_size"] = args.spec_disable_batch_size
+    if args.two_turns:
+        return two_turns(args, model, settings, params)
     base = LLM(model, dtype=args.dtype, **settings)
     workload = read_workload(args.workload, base.tokenizer if args.chat else None)
     hf = None
@@ -205,18 +250,10 @@ def main(argv=None):
             AutoTokenizer.from_pretrained(base.model_path),
         )
     engines = [
-        base
-        if draft == "none"
-        else LLM(
-            model,
-            dtype=base.dtype,
-            draft=draft,
-            num_spec_tokens=k,
-            spec_tree_nodes=nodes,
-            spec_disable_batch_size=args.spec_disable_batch_size,
-            **settings,
-        )
-        for draft, k, nodes in configs
+        LLM(model, dtype=base.dtype, draft=d, num_spec_tokens=k, spec_tree_nodes=n, **settings)
+        if d != "none"
+        else base
+        for d, k, n in configs
     ]
     with Progress(transient=True) as progress:
         task = progress.add_task(
@@ -273,27 +310,10 @@ def main(argv=None):
         title=f"nanospec bench · {args.model} · {machine['dtype']} · {args.workload} · "
         f"max_tokens {args.max_tokens} · {machine['cpu']} · {machine['kernels']}"
     )
-    for col in (
-        "method",
-        "K",
-        "tree",
-        "batch",
-        "= plain",
-        "tok/s",
-        "req/s",
-        "TTFT p50/p90 ms",
-        "TPOT p50/p90 ms",
-        "mean acc len",
-        "acc/pos",
-        "K per step",
-        "x plain",
-        "x plain decode",
-        "hf tok/s",
-        "x hf",
-    ):
-        table.add_column(
-            col, justify="left" if col in ("method", "acc/pos", "K per step") else "right"
-        )
+    columns = "method,K,tree,batch,= plain,tok/s,req/s,TTFT p50/p90 ms,TPOT p50/p90 ms,mean acc len"
+    left = ("method", "acc/pos", "K per step")  # text; the rest, numbers, right-aligned
+    for col in (columns + ",acc/pos,K per step,x plain,x plain decode,hf tok/s,x hf").split(","):
+        table.add_column(col, justify="left" if col in left else "right")
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
     ms = lambda r, key, f: f"{1000 * r[key + '_p50']:{f}}/{1000 * r[key + '_p90']:{f}}"
     for r in results:

@@ -55,3 +55,27 @@ def test_bench_sweep_writes_machine_facts_and_identity(tmp_path):
     for r in rows:
         ratios = sorted(a / b for a, b in zip(r["tok_s_runs"], plain[r["batch"]]))
         assert len(ratios) == 2 and abs(r["speedup_vs_plain"] - sum(ratios) / 2) < 1e-9
+
+
+def test_two_turns_finds_turn_one_cached(tmp_path, capsys):
+    """--two-turns: turn 2's prompt extends turn 1's prompt and answer, the engine with prefix
+    caching finds them cached (whole blocks), the one without none, and both answer alike."""
+    tiny.write_checkpoint(tmp_path / "model", tiny.llama_like())
+    template = (
+        "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}|{% endfor %}"
+        "{% if add_generation_prompt %}a: {% endif %}"
+    )
+    tiny.write_char_tokenizer(tmp_path / "model", chat_template=template)
+    workload = tmp_path / "turns.jsonl"
+    turns = [["hello there, how are you", "and once more"], ["abc abc abc abc", "why?"]]
+    workload.write_text("\n".join(json.dumps({"turns": t}) for t in turns))
+    rows = bench.main(
+        ["--model", str(tmp_path / "model"), "--two-turns", "--workload", str(workload)]
+        + ["--dtype", "float32", "--max-tokens", "24", "--temperature", "0.8"]
+    )
+    assert len(rows) == 2
+    for (prompt1, _, tokens1, _, _), turn2, without in rows:
+        assert turn2[0] == without[0] > prompt1 + tokens1  # the same extended prompt
+        # all of turn 1's tokens but its last (never computed) in whole blocks of 16
+        assert turn2[1] >= (prompt1 + tokens1 - 1) // 16 * 16 > 0 and without[1] == 0
+    assert "identical: True" in capsys.readouterr().out

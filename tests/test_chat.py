@@ -105,6 +105,12 @@ def test_two_turns_the_second_finds_the_first_cached(model):
     )
     assert tokens1 == 12 and cached1 == 0
     # Every token of turn 1 but the last sampled one (which never had K/V computed) is cached.
+    # The issue asks for prompt + answer rounded down to whole blocks; that cannot hold when
+    # prompt + answer ends exactly on a block boundary: the last block then holds the last
+    # sampled token, whose K/V no step computes (it would be the input of the next step, and the
+    # request finished), so that block is never full of computed K/V and never keyed. Otherwise
+    # both bounds round to the same block. (Only when the request stops inside accepted drafts is
+    # its last token's K/V computed: the verify step fed it in.)
     computed = prompt1 + tokens1 - 1
     assert prompt2 > prompt1 + tokens1
     assert cached2 >= computed // BLOCK_SIZE * BLOCK_SIZE, (prompt1, tokens1, cached2)
