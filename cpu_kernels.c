@@ -26,16 +26,19 @@ typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 
 static inline float to_f32(bf16 h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)h << 16};
+    return v.f;
 }
 
 static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    return (bf16)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    union {
+        float f;
+        uint32_t u;
+    } v = {f};
+    return (bf16)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
 }
 
 static inline vf load_vf(const void *p, int is_bf16) {  // LANES values, widened to fp32 (exact)
@@ -313,12 +316,6 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 // step or block around it. D must be a multiple of 16. A tree node (tree_pos set, one query per
 // item) reads logical keys 0..tree_pos[t], the last tree_width of them from the physical positions
 // in its tree_keys row.
-//
-// Keys are split in segments of `segment` positions (from 0): a work item is also one segment, so a
-// decode step at batch 1 (one query, 3 KV heads) still has work for every thread. Each item writes
-// every (query, head)'s state for its segment (max, sum, weighted values) to `partials`, and
-// paged_attention merges them in segment order: the segments depend on the query's position alone,
-// never on the step or the thread count, so the bits stay row-invariant.
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define QUERY_BLOCK 8
@@ -358,11 +355,10 @@ static inline vf sum_lanes(vf v[LANES]) {
 }
 
 static inline __attribute__((always_inline)) void
-attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, int t0,
-       int num_queries, int kv_head, int num_keys, int num_heads, int group, int block_size,
-       int64_t slot_stride, float scale, const int64_t *remap, int remap_from, int segment, int seg,
-       float *partials, int max_segments, const int chunks,
-       const int is_bf16) {  // query t0 + i sees keys 0..num_keys + i - 1 (those in segment seg)
+attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out,
+       int t0, int num_queries, int kv_head, int num_keys, int num_heads, int group, int block_size,
+       int64_t slot_stride, float scale, const int64_t *remap, int remap_from, const int chunks,
+       const int is_bf16) {  // query t0 + i sees keys 0..num_keys + i - 1
     int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4, pairs = num_queries * group;
     int all_keys = num_keys + num_queries - 1;
     vf qv[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES], acc[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES];
@@ -377,7 +373,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         }
         max_score[i] = -INFINITY, total[i] = 0.0f;
     }
-    for (int l0 = seg * segment; l0 < all_keys && l0 < (seg + 1) * segment; l0 += LANES) {
+    for (int l0 = 0; l0 < all_keys; l0 += LANES) {
         // A chunk within one block (no tree path in it) has consecutive slots: one table lookup.
         int one_block = block_size % LANES == 0 && !(remap && l0 + LANES > remap_from);
         int64_t first_slot = table[l0 / block_size] * block_size + l0 % block_size;
@@ -440,21 +436,12 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
                 for (int c = 0; c < chunks; c++) acc[i][c] += p[i][j] * values[j][c];
         }
     }
-    for (int i = 0; i < pairs; i++) {  // the part of each query that sees keys in this segment
+    for (int i = 0; i < pairs; i++) {
         int64_t head = (int64_t)(t0 + i / group) * num_heads + kv_head * group + i % group;
-        if (num_keys + i / group <= seg * segment) continue;
-        float *part = partials + (head * max_segments + seg) * (head_dim + 2);
-        part[0] = max_score[i], part[1] = total[i];
-        for (int c = 0; c < chunks; c++) store_vf(part + 2 + c * LANES, acc[i][c], 0);
+        for (int c = 0; c < chunks; c++)
+            store_vf((char *)out + (head * head_dim + c * LANES) * elem, acc[i][c] / total[i],
+                     is_bf16);
     }
-}
-
-// Query t's sequence and number of keys (0..its position, or its tree node's).
-static inline int query_keys(int t, const int64_t *query_start_loc, const int64_t *seq_lens,
-                             const int64_t *tree_pos, int *b) {
-    for (*b = 0; query_start_loc[*b + 1] <= t;) ++*b;
-    if (tree_pos) return (int)tree_pos[t] + 1;
-    return (int)(seq_lens[*b] - query_start_loc[*b + 1] + t + 1);
 }
 
 void paged_attention(const void *q, const void *k_cache, const void *v_cache,
@@ -462,72 +449,40 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache,
                      const int64_t *query_start_loc, void *out, int num_seqs, int max_blocks,
                      int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                      int is_bf16, int threads, const int64_t *tree_pos, const int64_t *tree_keys,
-                     int tree_width, int segment, int max_segments, int wave, float *partials) {
+                     int tree_width) {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
-    int64_t slot_stride = (int64_t)num_kv_heads * head_dim, part = max_segments * (head_dim + 2);
+    int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
     // Blocks of queries small enough to give every thread about two items (a decode or verify step
     // at batch 1 has few queries: with a block of 8 one thread would do all the work).
     int block = tree_pos ? 1 : QUERY_BLOCK;
     while (block > 1 && num_tokens * num_kv_heads / block < 2 * threads) block /= 2;
-    // Queries in waves of `wave` tokens, each wave's segments merged before the next starts: the
-    // parts of a wave (and of the blocks that start in it) are all `partials` holds.
-    for (int lo = 0; lo < num_tokens; lo += wave) {
-        int hi = num_tokens < lo + wave ? num_tokens : lo + wave;
-        int64_t items = (int64_t)(hi - lo) * num_kv_heads * max_segments;
-// Items start at every token and segment; all but each block's first query return at once, and
-// so do segments past the block's last key.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (items > 1)
-        for (int64_t item = 0; item < items; item++) {
-            int t = lo + (int)(item / max_segments / num_kv_heads), b, seg = item % max_segments;
-            int kv_head = (int)(item / max_segments % num_kv_heads);
-            int num_keys = query_keys(t, query_start_loc, seq_lens, tree_pos, &b);
-            int first = (int)query_start_loc[b], q_len = (int)(query_start_loc[b + 1] - first);
-            int num_queries = q_len - (t - first) < block ? q_len - (t - first) : block;
-            if ((t - first) % block || seg * segment >= num_keys + num_queries - 1) continue;
-            const int64_t *remap = tree_pos ? tree_keys + (int64_t)t * tree_width : 0;
-            const int64_t *table = block_tables + (int64_t)b * max_blocks;
-            float *parts = partials - (int64_t)lo * num_heads * part;  // token lo's is the first
+// Items start at every token; all but each block's first query return at once.
+#pragma omp parallel for schedule(dynamic, 1)                                                      \
+    num_threads(threads) if (num_tokens * num_kv_heads > 1)
+    for (int64_t item = 0; item < (int64_t)num_tokens * num_kv_heads; item++) {
+        int t = (int)(item / num_kv_heads), kv_head = (int)(item % num_kv_heads), b = 0;
+        while (query_start_loc[b + 1] <= t) b++;
+        int first = (int)query_start_loc[b], q_len = (int)(query_start_loc[b + 1] - first);
+        if ((t - first) % block) continue;
+        int num_queries = q_len - (t - first) < block ? q_len - (t - first) : block;
+        int num_keys = (int)seq_lens[b] - q_len + (t - first) + 1;  // keys 0..position
+        if (tree_pos) num_keys = (int)tree_pos[t] + 1;
+        const int64_t *remap = tree_pos ? tree_keys + (int64_t)t * tree_width : 0;
+        const int64_t *table = block_tables + (int64_t)b * max_blocks;
 #define ATTEND(CHUNKS, BF16)                                                                       \
-    attend(q, k_cache, v_cache, table, t, num_queries, kv_head, num_keys, num_heads, group,        \
-           block_size, slot_stride, scale, remap, num_keys - tree_width, segment, seg, parts,      \
-           max_segments, CHUNKS, BF16)
-            // the common shapes get constant loop bounds
-            if (head_dim == 64)
-                is_bf16 ? ATTEND(64 / LANES, 1) : ATTEND(64 / LANES, 0);
-            else if (head_dim == 128)
-                is_bf16 ? ATTEND(128 / LANES, 1) : ATTEND(128 / LANES, 0);
-            else
-                ATTEND(head_dim / LANES, is_bf16);
-        }
-        // Each output from its query's parts, in segment order: the online softmax's rescaling
-        // step, once per segment (for one segment: acc * 1 / (0 + total * 1), its bits as they
-        // are). The queries of the blocks that start in this wave (the last may end in the next).
-        int64_t heads = (int64_t)(hi - lo + block - 1) * num_heads;
-#pragma omp parallel for num_threads(threads) if (heads > 1)
-        for (int64_t i = 0; i < heads; i++) {
-            int t = lo + (int)(i / num_heads), b;
-            if (t >= num_tokens) continue;
-            int num_keys = query_keys(t, query_start_loc, seq_lens, tree_pos, &b);
-            int first = (int)query_start_loc[b], start = first + (t - first) / block * block;
-            if (start < lo || start >= hi) continue;  // its block is another wave's
-            float max_score = -INFINITY, total = 0.0f, *parts = partials + i * part;
-            vf acc[MAX_DIM / LANES] = {};
-            for (int s = 0; s * segment < num_keys; s++, parts += head_dim + 2) {
-                if (parts[0] > max_score) {
-                    float alpha = expf(max_score - parts[0]);  // 0 for the first segment
-                    for (int c = 0; c < head_dim / LANES; c++) acc[c] *= alpha;
-                    total *= alpha, max_score = parts[0];
-                }
-                float weight = expf(parts[0] - max_score);
-                total += parts[1] * weight;
-                for (int c = 0; c < head_dim / LANES; c++)
-                    acc[c] += load_vf(parts + 2 + c * LANES, 0) * weight;
-            }
-            int64_t at = ((int64_t)t * num_heads + i % num_heads) * head_dim;
-            for (int c = 0; c < head_dim / LANES; c++)
-                store_vf((char *)out + (at + c * LANES) * (is_bf16 ? 2 : 4), acc[c] / total,
-                         is_bf16);
-        }
+    attend(q, k_cache, v_cache, table, out, t, num_queries, kv_head, num_keys, num_heads, group,   \
+           block_size, slot_stride, scale, remap, num_keys - tree_width, CHUNKS, BF16)
+        // the common shapes get constant loop bounds
+        if (head_dim == 64 && is_bf16)
+            ATTEND(64 / LANES, 1);
+        else if (head_dim == 64)
+            ATTEND(64 / LANES, 0);
+        else if (head_dim == 128 && is_bf16)
+            ATTEND(128 / LANES, 1);
+        else if (head_dim == 128)
+            ATTEND(128 / LANES, 0);
+        else
+            ATTEND(head_dim / LANES, is_bf16);
     }
 }
 

@@ -152,8 +152,7 @@ def cpu_kernels():
     lib.bf16_dot, lib.f16c = isa == "avx512bf16", isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
-    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr] + [i32] * 4
-    lib.paged_attention.argtypes += [ptr]
+    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr, i32]
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
     return lib
@@ -319,16 +318,11 @@ def c_linear(x, packed, bias, out_features):
 
 
 _scratch = torch.empty(0)
-# A decode step at batch 1 has one work item per KV head (3 for the default model): too few for
-# the threads once a context's keys dominate the step. Segments of 256 keys give a context of 2,000
-# 8 items per KV head. Their parts are merged in waves of 64 queries, so the room they take stays
-# small even for a long prefill chunk.
-KEY_SEGMENT, ATTENTION_WAVE = 256, 64
 
 
 def scratch_space(floats: int) -> torch.Tensor:
-    """One fp32 buffer reused by every call that needs room (prefill linears, long attention): a
-    fresh one each call would cost page faults. A call never runs inside another."""
+    """One fp32 buffer reused by every prefill linear (a fresh one each call would cost page
+    faults)."""
     global _scratch
     if _scratch.numel() < floats:
         _scratch = torch.empty(floats)
@@ -387,18 +381,11 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     if ctx.tree_pos is not None:  # (tree holds the tensors while the kernel runs)
         tree = [t.long().contiguous() for t in (ctx.tree_pos, ctx.tree_keys)]
         tree_args = (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1])
-    # Each (query, head) of a wave, and of the query blocks (up to 8 queries) that start in it,
-    # writes head_dim + 2 floats a segment (cpu_kernels.c, "Paged attention").
-    max_segments = -(-int(seq_lens.max()) // KEY_SEGMENT) if len(seq_lens) else 1
-    wave = min(len(q), ATTENTION_WAVE) + 8
-    parts = scratch_space(wave * q.shape[1] * max_segments * (head_dim + 2))
     # cpu_kernels.c's arguments, in its order
     args = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
     args += [len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size]
     args += [scale, q.dtype == torch.bfloat16, torch.get_num_threads(), *tree_args]
-    cpu_kernels().paged_attention(
-        *args, KEY_SEGMENT, max_segments, ATTENTION_WAVE, parts.data_ptr()
-    )
+    cpu_kernels().paged_attention(*args)
     return out
 
 

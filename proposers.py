@@ -230,7 +230,9 @@ def make_proposer(c, target: torch.nn.Module):
             f"{num_spec_tokens} exceeds the speculator's n_predict {speculator.n_predict}",
         )
         return MLPProposer(speculator)
-    draft_model, _ = load_model(draft, weight.dtype, weight.device)
+    # dtype auto on a CPU: the draft too gets the target's activations and 16-bit packed weights
+    cpu_auto = c.dtype in (None, "auto") and weight.device.type == "cpu"
+    draft_model, _ = load_model(draft, "auto" if cpu_auto else weight.dtype, weight.device)
     require(
         draft_model.vocab_size == target.vocab_size,
         f"{draft}: draft vocabulary "

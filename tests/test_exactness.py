@@ -31,17 +31,6 @@ def c_isa(request, monkeypatch):
     yield request.param  # then monkeypatch restores the build for this CPU
 
 
-@pytest.fixture(params=["whole", "split"])
-def key_segments(request, monkeypatch):
-    """The C attention as it runs (keys in segments of 256: these tests' contexts fit one), or with
-    segments of 16 keys merged in waves of 4 queries, so that every query has several segments
-    and query blocks straddle waves."""
-    if request.param == "split":
-        monkeypatch.setattr(kernels, "KEY_SEGMENT", 16)
-        monkeypatch.setattr(kernels, "ATTENTION_WAVE", 4)
-    return request.param
-
-
 def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
     """op(x[:m]) must hold op(x)'s first m rows bit for bit, for every m."""
     full = op(x[: max(counts)])
@@ -178,7 +167,7 @@ def check_attention(fn, dtype, block_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_c_attention_query_is_invariant(c_isa, key_segments, dtype, block_size):
+def test_c_attention_query_is_invariant(c_isa, dtype, block_size):
     """Also across thread counts: the kernel splits a few queries into smaller blocks for more
     threads."""
     threads = torch.get_num_threads()
@@ -293,7 +282,7 @@ def check_tree_attention(fn, dtype, block_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_c_tree_attention_equals_chain(c_isa, key_segments, dtype, block_size):
+def test_c_tree_attention_equals_chain(c_isa, dtype, block_size):
     check_tree_attention(kernels.c_paged_attention, dtype, block_size)
 
 

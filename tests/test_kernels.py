@@ -218,14 +218,10 @@ def rebuild_cpu_kernels(monkeypatch):
     ],
 )
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("key_segment,wave", [(256, 64), (16, 4)])
 def test_c_paged_attention_matches_torch(
-    batch, block_size, num_heads, num_kv_heads, head_dim, dtype, key_segment, wave, monkeypatch
+    batch, block_size, num_heads, num_kv_heads, head_dim, dtype
 ):
-    """One C kernel for every query shape: prefill chunks, whole prompts, decode, verification;
-    keys in one segment or several (merged in waves of queries, some blocks straddling two)."""
-    monkeypatch.setattr(kernels, "KEY_SEGMENT", key_segment)
-    monkeypatch.setattr(kernels, "ATTENTION_WAVE", wave)
+    """One C kernel for every query shape: prefill chunks, whole prompts, decode, verification."""
     args = make_paged_batch(BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype)
     with nan_filled_outputs():
         got = kernels.c_paged_attention(*args)
