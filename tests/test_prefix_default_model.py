@@ -135,3 +135,20 @@ def test_prefix_hits_equal_a_fresh_engine_without_caching(dtype, spec):
         assert out.num_cached_tokens == hits[i], (i, spec)
         accepted += out.num_accepted_tokens
     assert accepted > 0 or not spec  # speculation ran
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_hits_with_forced_preemption_equal_a_fresh_engine(dtype):
+    """A pool of twice the largest request for eight of them: requests are preempted, give their
+    block references back and resume from whatever is still cached; every output stays the fresh
+    engine's and the pool comes back whole (free or cached)."""
+    ref = reference(dtype)
+    prompts, params, expected = ref["prompts"], ref["params"], ref["outputs"]
+    largest = max(-(-(len(p) + MAX_TOKENS + 5) // BLOCK) for p in prompts)
+    llm = LLM(dtype=dtype, draft="ngram", num_spec_tokens=4, num_blocks=2 * largest)
+    llm.generate(prompts[:1], params[:1], use_progress=False)  # the system prompt, cached
+    outs = llm.generate(prompts, params, use_progress=False)
+    assert all(same_output(out, want) for out, want in zip(outs, expected))
+    assert llm.stats["preemptions"] > 0 and sum(out.num_cached_tokens for out in outs) > 0
+    blocks = llm.blocks
+    assert blocks.num_free_blocks + blocks.num_cached_blocks == blocks.num_blocks
