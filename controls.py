@@ -67,9 +67,9 @@ def process_logits(
 ) -> torch.Tensor:
     """One row of logits [V] -> float32 logits after the controls, in vLLM's order (the grammar's
     mask comes first, in apply(): a fill with -inf commutes with this one): allowed_token_ids,
-    logit_bias, the penalties (repetition over
-    `history`, prompt and output; presence and frequency over the output, history after the
-    prompt), then min_p on the temperature-scaled distribution. Forbidden tokens get -inf."""
+    logit_bias, the penalties (repetition over `history`, prompt and output; presence and
+    frequency over the output, history after the prompt), then min_p on the temperature-scaled
+    distribution. Forbidden tokens get -inf."""
     logits = logits.float().clone()
     if params.allowed_token_ids is not None:
         outside = torch.ones_like(logits, dtype=torch.bool)
