@@ -35,7 +35,9 @@ class GoodputChooser:
     keys term a draft at a 600-token context looked 40% cheaper than it is, and auto K drafted 7
     where 4 was faster. Drafting must promise `margin` more goodput than plain decoding: real
     drafts cost work the model lacks (accepting, committing, Python); at batch 16 on chat even bets
-    lost 12%."""
+    lost 12%. Each draft beyond the first choice to draft must promise `tie` more than the choice
+    without it: near break-even, a few percent of profile noise then no longer flips K from run
+    to run."""
 
     def __init__(
         self,
@@ -44,11 +46,9 @@ class GoodputChooser:
         key_time: float,
         ema: float = 0.1,
         margin: float = 0.05,
+        tie: float = 0.02,
     ):
-        self.k_max, self.ema, self.margin = k_max, ema, margin
-        # A draft more must promise this much more goodput than the choice without it: near
-        # break-even, a few percent of profile noise no longer flips K from run to run.
-        self.tie = 0.02
+        self.k_max, self.ema, self.margin, self.tie = k_max, ema, margin, tie
         # tokens in the target forward -> seconds (start-up profile)
         self.verify_time = dict(verify_time)
         self.key_time = key_time  # seconds per token per cached key it attends to (profile)
@@ -79,7 +79,8 @@ class GoodputChooser:
             num_tokens, keys, expected = num_tokens + 1, keys + contexts[i], expected - minus_value
             max_k, drafting = max(max_k, ks[i]), drafting + (ks[i] == 1)
             goodput = expected / self.step_time(num_tokens, keys, max_k, drafting)
-            if goodput > best * (1 + self.tie):
+            # (against plain decoding, `margin` alone: it is already in `best`)
+            if goodput > best * (1 + self.tie if any(best_ks) else 1):
                 best, best_ks = goodput, list(ks)
         return best_ks
 
