@@ -310,7 +310,7 @@ def c_linear(x, packed, bias, out_features):
     threads = torch.get_num_threads()
     # Prefill's K-blocks need per-thread room: bf16 weights widened once per block, partial sums.
     blocked = w_type and not dot and len(rows) > 6
-    scratch = scratch_space(threads * (128 * 32 * 4 + len(rows) * 64)) if blocked else None
+    scratch = linear_scratch(threads * (128 * 32 * 4 + len(rows) * 64)) if blocked else None
     pointers = [None if t is None else t.data_ptr() for t in (rows, packed, bias, out, scratch)]
     dtypes = (dot, w_type, out.dtype == torch.bfloat16)
     lib.linear(*pointers[:4], len(rows), out_features, rows.shape[1], *dtypes, pointers[4], threads)
@@ -320,9 +320,8 @@ def c_linear(x, packed, bias, out_features):
 _scratch = torch.empty(0)
 
 
-def scratch_space(floats: int) -> torch.Tensor:
-    """One fp32 buffer reused by every prefill linear (a fresh one each call would cost page
-    faults)."""
+def linear_scratch(floats: int) -> torch.Tensor:
+    """One buffer reused by every prefill linear (a fresh one each call would cost page faults)."""
     global _scratch
     if _scratch.numel() < floats:
         _scratch = torch.empty(floats)
