@@ -1,5 +1,5 @@
 // CPU kernels: the linear layers (weight streaming), paged attention for every query shape, and
-// bf16 RMSNorm and rotary. kernels.py compiles this file once per ISA (AVX-512, AVX2 + FMA, or
+// RMSNorm and rotary. kernels.py compiles this file once per ISA (AVX-512, AVX2 + FMA, or
 // generic) and calls it through ctypes; each function keeps the contract of a torch_* reference
 // there. Every output is computed by one fixed chain of arithmetic that never depends on how many
 // rows, queries or threads the call has: that is what makes speculation bit-exact (DESIGN.md,
@@ -487,22 +487,36 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache,
 }
 
 // -----------------------------------------------------------------------------------------------
-// bf16 RMSNorm and rotary: torch runs each as a chain of small ops; here one pass, rounded like the
-// torch reference step by step, so the two agree bit for bit. RMSNorm of x [rows, H] in fp32:
-// bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w). With residual: x + residual (rounded to bf16) is
-// normed and also written to residual_out.
-void rms_norm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out,
-              bf16 *residual_out, int rows, int hidden, float eps) {
+// RMSNorm and rotary, fp32 or bf16: torch runs each as a chain of small ops (a dozen calls of ~1 us
+// each at decode); here one pass. bf16 is rounded like the torch reference step by step, so the two
+// agree bit for bit; fp32 rounds each operation once, as torch does, but may fuse a multiply and an
+// add (and sums in its own order). RMSNorm of x [rows, H] in fp32: x * rsqrt(mean(x^2) + eps),
+// rounded to x's dtype, times w. With residual: x + residual (rounded) is normed and also written
+// to residual_out.
+static inline float get(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float rounded(float v, int is_bf16) { return is_bf16 ? to_f32(to_bf16(v)) : v; }
+
+static inline void put(void *p, int64_t i, float v, int is_bf16) {
+    if (is_bf16)
+        ((bf16 *)p)[i] = to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+void rms_norm(const void *x, const void *residual, const void *weight, void *out,
+              void *residual_out, int rows, int hidden, float eps, int is_bf16) {
 #pragma omp parallel for schedule(static) if (rows > 16)
     for (int r = 0; r < rows; r++) {
         float row[hidden], sum_sq = 0.0f;
-        const bf16 *xr = x + (int64_t)r * hidden;
+        int64_t at = (int64_t)r * hidden;
         for (int i = 0; i < hidden; i++) {
-            float v = to_f32(xr[i]);
+            float v = get(x, at + i, is_bf16);
             if (residual) {
-                bf16 sum = to_bf16(v + to_f32(residual[(int64_t)r * hidden + i]));
-                residual_out[(int64_t)r * hidden + i] = sum;
-                v = to_f32(sum);
+                v = rounded(v + get(residual, at + i, is_bf16), is_bf16);
+                put(residual_out, at + i, v, is_bf16);
             }
             row[i] = v;
         }
@@ -510,27 +524,27 @@ void rms_norm(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out
         for (int i = 0; i < hidden; i++) sum_sq += row[i] * row[i];
         float inv = 1.0f / sqrtf(sum_sq / hidden + eps);
         for (int i = 0; i < hidden; i++)
-            out[(int64_t)r * hidden + i] =
-                to_bf16(to_f32(to_bf16(row[i] * inv)) * to_f32(weight[i]));
+            put(out, at + i, rounded(row[i] * inv, is_bf16) * get(weight, i, is_bf16), is_bf16);
     }
 }
 
 // Neox rotary of x [T, H, D] (row stride stride_x; heads contiguous) with cos_sin [T, D] = [cos |
-// sin], into out [T, H, D], rounded like torch_rotary: each product rounded to bf16, then their
+// sin], into out [T, H, D], rounded like torch_rotary: each product rounded, then their
 // difference/sum.
-void rotary(const bf16 *x, const bf16 *cos_sin, bf16 *out, int tokens, int heads, int head_dim,
-            int64_t stride_x) {
+void rotary(const void *x, const void *cos_sin, void *out, int tokens, int heads, int head_dim,
+            int64_t stride_x, int is_bf16) {
     int half = head_dim / 2;
 #pragma omp parallel for schedule(static) if (tokens > 16)
     for (int t = 0; t < tokens; t++) {
-        const bf16 *cos = cos_sin + (int64_t)t * head_dim, *sin = cos + half;
+        int64_t cos = (int64_t)t * head_dim, sin = cos + half;
         for (int h = 0; h < heads; h++) {
-            const bf16 *x1 = x + t * stride_x + (int64_t)h * head_dim, *x2 = x1 + half;
-            bf16 *o = out + ((int64_t)t * heads + h) * head_dim;
+            int64_t x1 = t * stride_x + (int64_t)h * head_dim, x2 = x1 + half;
+            int64_t o = ((int64_t)t * heads + h) * head_dim;
             for (int i = 0; i < half; i++) {
-                float c = to_f32(cos[i]), s = to_f32(sin[i]), a = to_f32(x1[i]), b = to_f32(x2[i]);
-                o[i] = to_bf16(to_f32(to_bf16(a * c)) - to_f32(to_bf16(b * s)));
-                o[i + half] = to_bf16(to_f32(to_bf16(b * c)) + to_f32(to_bf16(a * s)));
+                float c = get(cos_sin, cos + i, is_bf16), s = get(cos_sin, sin + i, is_bf16);
+                float a = get(x, x1 + i, is_bf16), b = get(x, x2 + i, is_bf16);
+                put(out, o + i, rounded(a * c, is_bf16) - rounded(b * s, is_bf16), is_bf16);
+                put(out, o + i + half, rounded(b * c, is_bf16) + rounded(a * s, is_bf16), is_bf16);
             }
         }
     }

@@ -153,8 +153,8 @@ def cpu_kernels():
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr, i32]
-    lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32]
-    lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64]
+    lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32, i32]
+    lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64, i32]
     return lib
 
 
@@ -186,16 +186,18 @@ def pick(x: torch.Tensor, triton_fn, c_fn, torch_fn):
 
 
 def rms_norm(x, weight, eps, residual=None):
-    # fp32: torch's one op
-    bf16_c = c_rms_norm if x.dtype == weight.dtype == torch.bfloat16 else None
-    return pick(x, triton_rms_norm, bf16_c, torch_rms_norm)(x, weight, eps, residual)
+    c_fits = x.dtype == weight.dtype
+    return pick(x, triton_rms_norm, c_rms_norm if c_fits else None, torch_rms_norm)(
+        x, weight, eps, residual
+    )
 
 
 # Elementwise ops have no Triton kernel: each output element is one fixed formula of its inputs, so
-# torch is row-invariant for them on CUDA too (C on a CPU only saves bf16 rotary's memory traffic).
+# torch is row-invariant for them on CUDA too. On a CPU the C kernel replaces torch's chain of
+# small ops with one call.
 def rotary(x, cos_sin):
-    bf16_c = c_rotary if x.dtype == cos_sin.dtype == torch.bfloat16 else None
-    return pick(x, torch_rotary, bf16_c, torch_rotary)(x, cos_sin)
+    c_fits = x.dtype == cos_sin.dtype
+    return pick(x, torch_rotary, c_rotary if c_fits else None, torch_rotary)(x, cos_sin)
 
 
 def attention(q, k, v, k_cache, v_cache, scale):
@@ -294,27 +296,33 @@ WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_ke
 
 def c_linear(x, packed, bias, out_features):
     """cpu_kernels.c's linear: each output one fixed fp32 chain over k, the weights streamed once
-    per call. (A decode step makes ~120 of these calls: each line here costs about a microsecond
-    a call, so the wrapper does only what the kernel needs.)"""
-    lib, rows = cpu_kernels(), x.reshape(-1, x.shape[-1])
-    out = x.new_empty(rows.shape[0], out_features)
+    per call. (A decode step makes ~120 of these calls, so the wrapper does only what the kernel
+    needs: each tensor op here, even a view, costs about a microsecond a call.)"""
+    lib, rows = cpu_kernels(), x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     # The bf16 dot product takes bf16 rows as they are. The FMA path takes fp32 rows, widened here
     # once (exactly), so that the kernel's broadcast of x[m, k] is a single load. Both walk k in
     # pairs: an odd K gets a zero column (its weights are zero-padded too).
     w_type = WEIGHT_TYPES[packed.dtype]
     assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
     dot = lib.bf16_dot and w_type == 1 and rows.dtype == torch.bfloat16
-    rows = (rows if dot else rows.float()).contiguous()
+    if not dot and rows.dtype != torch.float32:
+        rows = rows.float()
     if rows.shape[1] % 2:
         rows = F.pad(rows, (0, 1))
-    threads = torch.get_num_threads()
+    elif not rows.is_contiguous():
+        rows = rows.contiguous()
+    num_rows, threads = rows.shape[0], torch.get_num_threads()
+    out = torch.empty(num_rows, out_features, dtype=x.dtype)
     # Prefill's K-blocks need per-thread room: bf16 weights widened once per block, partial sums.
-    blocked = w_type and not dot and len(rows) > 6
-    scratch = linear_scratch(threads * (128 * 32 * 4 + len(rows) * 64)) if blocked else None
-    pointers = [None if t is None else t.data_ptr() for t in (rows, packed, bias, out, scratch)]
-    dtypes = (dot, w_type, out.dtype == torch.bfloat16)
-    lib.linear(*pointers[:4], len(rows), out_features, rows.shape[1], *dtypes, pointers[4], threads)
-    return out.view(*x.shape[:-1], out_features)
+    blocked = w_type and not dot and num_rows > 6
+    scratch = (
+        linear_scratch(threads * (128 * 32 * 4 + num_rows * 64)).data_ptr() if blocked else None
+    )
+    bias = None if bias is None else bias.data_ptr()
+    dtypes = (dot, w_type, x.dtype == torch.bfloat16)
+    args = (rows.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), num_rows, out_features)
+    lib.linear(*args, rows.shape[1], *dtypes, scratch, threads)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
 _scratch = torch.empty(0)
@@ -398,13 +406,14 @@ def torch_rms_norm(x, weight, eps, residual=None):
 
 
 def c_rms_norm(x, weight, eps, residual=None):
-    """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (bf16, CPU)."""
+    """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (fp32 or bf16, CPU)."""
     x, out = x.contiguous(), torch.empty_like(x)
     residual, summed = (
         (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
     )
     pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, summed)]
-    cpu_kernels().rms_norm(*pointers, x.numel() // x.shape[-1], x.shape[-1], eps)
+    rows, is_bf16 = x.numel() // x.shape[-1], x.dtype == torch.bfloat16
+    cpu_kernels().rms_norm(*pointers, rows, x.shape[-1], eps, is_bf16)
     return out if residual is None else (out, summed)
 
 
@@ -417,13 +426,13 @@ def torch_rotary(x, cos_sin):
 
 
 def c_rotary(x, cos_sin):
-    """cpu_kernels.c's rotary; same contract as torch_rotary (bf16, CPU)."""
+    """cpu_kernels.c's rotary; same contract as torch_rotary (fp32 or bf16, CPU)."""
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     out = x.new_empty(x.shape)
-    cpu_kernels().rotary(
-        x.data_ptr(), cos_sin.contiguous().data_ptr(), out.data_ptr(), *x.shape, x.stride(0)
-    )
+    cos_sin = cos_sin.contiguous()  # (kept alive through the call)
+    pointers = (x.data_ptr(), cos_sin.data_ptr(), out.data_ptr())
+    cpu_kernels().rotary(*pointers, *x.shape, x.stride(0), x.dtype == torch.bfloat16)
     return out
 
 

@@ -253,21 +253,29 @@ def test_c_linear_matches_f_linear(rows, n, k, bias, x_dtype, w_dtype):
 
 
 @needs_c_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("shape", [(1, 576), (7, 100), (2, 3, 48), (300, 64), (0, 32)])
-def test_c_rms_norm_matches_torch_roundings(shape, with_residual):
+def test_c_rms_norm_matches_torch_roundings(shape, with_residual, dtype):
     # rows with a stride
-    x = (3 * torch.randn(*shape[:-1], shape[-1] + 5))[..., : shape[-1]].bfloat16()
-    weight = (1 + 0.1 * torch.randn(shape[-1])).bfloat16()
-    residual = torch.randn(*shape).bfloat16() if with_residual else None
+    x = (3 * torch.randn(*shape[:-1], shape[-1] + 5))[..., : shape[-1]].to(dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1])).to(dtype)
+    residual = torch.randn(*shape).to(dtype) if with_residual else None
     expected, got = (
         kernels.torch_rms_norm(x, weight, 1e-6, residual),
         kernels.c_rms_norm(x, weight, 1e-6, residual),
     )
-    for e, g in zip(*((expected, got) if with_residual else ((expected,), (got,)))):
-        # Same roundings as the reference; only the fp32 sum's order may differ, by 1 bf16 ulp at
-        # most.
-        torch.testing.assert_close(g, e, atol=0, rtol=2**-7)
+    if with_residual:  # the sum is one rounded addition in both
+        assert torch.equal(got[1], expected[1])
+    # Same roundings as the reference; only the fp32 sum's order (and 1 / sqrt against torch's
+    # rsqrt) may differ: by 1 bf16 ulp at most, or a few fp32 ulps.
+    rtol = 2**-7 if dtype == torch.bfloat16 else 4 * 2**-23
+    torch.testing.assert_close(
+        got[0] if with_residual else got,
+        expected[0] if with_residual else expected,
+        atol=0,
+        rtol=rtol,
+    )
 
 
 @needs_c_kernels
@@ -280,10 +288,17 @@ def test_c_rotary_equals_torch_bit_for_bit(num_tokens, num_heads, num_kv_heads, 
     )
     cos_sin = rope_cache(300, head_dim)[torch.randint(0, 300, (num_tokens,))].bfloat16()
     assert torch.equal(kernels.c_rotary(q_k, cos_sin), kernels.torch_rotary(q_k, cos_sin))
+    # fp32: each output one product rounded and one fused multiply-add, against torch's two
+    # rounded products and a rounded sum: within an ulp or two of the larger product.
+    q_k, cos_sin = q_k.float(), cos_sin.float()
+    torch.testing.assert_close(
+        kernels.c_rotary(q_k, cos_sin), kernels.torch_rotary(q_k, cos_sin), atol=2e-6, rtol=2e-7
+    )
 
 
 def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
-    """CPU tensors take the C kernel when it built (RMSNorm: bf16 only); with no compiler (or the
+    """CPU tensors take the C kernel when it built (RMSNorm: x and weight of one dtype); with no
+    compiler (or the
     switch off) the torch path runs, after a warning that names the file; linears are then not
     packed."""
     x, weight = torch.randn(3, 32).bfloat16(), torch.ones(32).bfloat16()
@@ -294,7 +309,7 @@ def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
             kernels.rms_norm(x, weight, 1e-6)
         assert kernels.use_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))[0].packed is not None
     with mock.patch.object(kernels, "c_rms_norm", side_effect=AssertionError("took the C path")):
-        kernels.rms_norm(x.float(), weight.float(), 1e-6)
+        kernels.rms_norm(x.float(), weight, 1e-6)  # mixed dtypes: the torch reference
     rebuild_cpu_kernels(monkeypatch)
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
