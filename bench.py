@@ -401,7 +401,7 @@ def bench_kernels(argv=None):
 
     print(
         f"{machine_info(llm.dtype, 'cpu')['cpu']} · {kernels.kernels_summary('cpu')} · "
-        f"{llm.dtype}{kernels.weights_summary(llm.model)}"
+        f"{llm.dtype}{kernels.dtypes_summary(llm.model, llm.kv_dtype)}"
     )
     print(f"{len(linears)} linears, {weight_bytes / 1e6:.0f} MB of weights")
     plain_read = best_of(lambda: [m.packed.view(torch.float32).sum() for m in linears])

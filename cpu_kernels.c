@@ -41,8 +41,15 @@ static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
     return (bf16)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
 }
 
-static inline vf load_vf(const void *p, int is_bf16) {  // LANES values, widened to fp32 (exact)
-    if (!is_bf16) {
+// LANES values of type 0 (fp32), 1 (bf16: a shift) or 2 (fp16: F16C's vcvtph2ps, every build but
+// the generic one), widened to fp32 exactly.
+static inline vf load_vf(const void *p, const int type) {
+#if defined(__F16C__) && LANES == 16
+    if (type == 2) return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(p));
+#elif defined(__F16C__)
+    if (type == 2) return (vf)_mm256_cvtph_ps(_mm_loadu_si128(p));
+#endif
+    if (!type) {
         vf v;
         __builtin_memcpy(&v, p, sizeof v);
         return v;
@@ -131,20 +138,7 @@ static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: 
 // wt, the packed weights' type: 0 fp32, 1 bf16 (a shift or a mask widens it), 2 fp16 (F16C's
 // vcvtph2ps widens LANES of them in one instruction, straight from memory).
 static inline vf widen(const char *pair, int v, int half, const int wt) {
-    vf wk;
-    if (wt == 0) {
-        __builtin_memcpy(&wk, pair + (half * PANEL + v * LANES) * 4, sizeof wk);
-        return wk;
-    }
-#if defined(__F16C__) && LANES == 16
-    if (wt == 2)
-        return (vf)_mm512_cvtph_ps(
-            _mm256_loadu_si256((const void *)(pair + (half * PANEL + v * LANES) * 2)));
-#elif defined(__F16C__)
-    if (wt == 2)
-        return (vf)_mm256_cvtph_ps(
-            _mm_loadu_si128((const void *)(pair + (half * PANEL + v * LANES) * 2)));
-#endif
+    if (wt != 1) return load_vf(pair + (half * PANEL + v * LANES) * (wt ? 2 : 4), wt);
     vu u;
     __builtin_memcpy(&u, pair + v * LANES * 4, sizeof u);
     return (vf)(half ? u & 0xFFFF0000u : u << 16);
@@ -315,7 +309,8 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 // softmax over the chunks it sees: the same arithmetic for a query at a given position whatever the
 // step or block around it. D must be a multiple of 16. A tree node (tree_pos set, one query per
 // item) reads logical keys 0..tree_pos[t], the last tree_width of them from the physical positions
-// in its tree_keys row.
+// in its tree_keys row. q and out are fp32 or bf16; the caches are q's dtype, or fp16 under fp32
+// queries (--dtype auto without a bf16 dot product: half the bytes a long context reads).
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define QUERY_BLOCK 8
@@ -358,8 +353,9 @@ static inline __attribute__((always_inline)) void
 attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out,
        int t0, int num_queries, int kv_head, int num_keys, int num_heads, int group, int block_size,
        int64_t slot_stride, float scale, const int64_t *remap, int remap_from, const int chunks,
-       const int is_bf16) {  // query t0 + i sees keys 0..num_keys + i - 1
+       const int is_bf16, const int kv_type) {  // query t0 + i sees keys 0..num_keys + i - 1
     int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4, pairs = num_queries * group;
+    int kv_elem = kv_type ? 2 : 4;
     int all_keys = num_keys + num_queries - 1;
     vf qv[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES], acc[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES];
     vf keys[LANES][MAX_DIM / LANES], values[LANES][MAX_DIM / LANES];
@@ -382,8 +378,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             int64_t next = ((table[l / block_size] * block_size + l % block_size) * slot_stride
                             // (tree paths aside) load while this one computes
                             + kv_head * head_dim) *
-                           elem;
-            for (int c = 0; c < head_dim * elem; c += 64) {
+                           kv_elem;
+            for (int c = 0; c < head_dim * kv_elem; c += 64) {
                 __builtin_prefetch((const char *)k_cache + next + c);
                 __builtin_prefetch((const char *)v_cache + next + c);
             }
@@ -395,11 +391,11 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             if (remap && l >= remap_from) l = remap[l - remap_from];  // a tree node's path
             int64_t slot =
                 one_block ? first_slot + j : table[l / block_size] * block_size + l % block_size;
-            int64_t at = (slot * slot_stride + kv_head * head_dim) * elem;  // in bytes
+            int64_t at = (slot * slot_stride + kv_head * head_dim) * kv_elem;  // in bytes
             for (int c = 0; c < chunks; c++) {
                 keys[bit_reversed(j)][c] =
-                    load_vf((const char *)k_cache + at + c * LANES * elem, is_bf16);
-                values[j][c] = load_vf((const char *)v_cache + at + c * LANES * elem, is_bf16);
+                    load_vf((const char *)k_cache + at + c * LANES * kv_elem, kv_type);
+                values[j][c] = load_vf((const char *)v_cache + at + c * LANES * kv_elem, kv_type);
             }
         }
         // Phase by phase over the (query, head) pairs, so that the CPU overlaps their independent
@@ -448,8 +444,8 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache,
                      const int64_t *block_tables, const int64_t *seq_lens,
                      const int64_t *query_start_loc, void *out, int num_seqs, int max_blocks,
                      int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                     int is_bf16, int threads, const int64_t *tree_pos, const int64_t *tree_keys,
-                     int tree_width) {
+                     int is_bf16, int kv_type, int threads, const int64_t *tree_pos,
+                     const int64_t *tree_keys, int tree_width) {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
     // Blocks of queries small enough to give every thread about two items (a decode or verify step
@@ -469,20 +465,26 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache,
         if (tree_pos) num_keys = (int)tree_pos[t] + 1;
         const int64_t *remap = tree_pos ? tree_keys + (int64_t)t * tree_width : 0;
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
-#define ATTEND(CHUNKS, BF16)                                                                       \
+#define ATTEND(CHUNKS, BF16, KV)                                                                   \
     attend(q, k_cache, v_cache, table, out, t, num_queries, kv_head, num_keys, num_heads, group,   \
-           block_size, slot_stride, scale, remap, num_keys - tree_width, CHUNKS, BF16)
-        // the common shapes get constant loop bounds
-        if (head_dim == 64 && is_bf16)
-            ATTEND(64 / LANES, 1);
-        else if (head_dim == 64)
-            ATTEND(64 / LANES, 0);
-        else if (head_dim == 128 && is_bf16)
-            ATTEND(128 / LANES, 1);
+           block_size, slot_stride, scale, remap, num_keys - tree_width, CHUNKS, BF16, KV)
+// (q, K/V) in bf16 and bf16, fp32 and fp32, or fp32 and fp16 (kernels.c_paged_attention)
+#define ATTEND_TYPES(CHUNKS)                                                                       \
+    {                                                                                              \
+        if (is_bf16)                                                                               \
+            ATTEND(CHUNKS, 1, 1);                                                                  \
+        else if (kv_type == 2)                                                                     \
+            ATTEND(CHUNKS, 0, 2);                                                                  \
+        else                                                                                       \
+            ATTEND(CHUNKS, 0, 0);                                                                  \
+    }
+        // the common shapes get constant loop bounds and types
+        if (head_dim == 64)
+            ATTEND_TYPES(64 / LANES)
         else if (head_dim == 128)
-            ATTEND(128 / LANES, 0);
+            ATTEND_TYPES(128 / LANES)
         else
-            ATTEND(head_dim / LANES, is_bf16);
+            ATTEND(head_dim / LANES, is_bf16, kv_type);
     }
 }
 

@@ -107,6 +107,16 @@ def auto_weight_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float16 if cpu_kernels().f16c and fits_fp16 else torch.bfloat16
 
 
+def kv_cache_dtype(dtype: torch.dtype, device, auto: bool) -> torch.dtype:
+    """The KV cache's dtype: the activations', except under --dtype auto on a CPU whose C kernels
+    run fp32 activations and widen fp16 in one instruction (F16C): fp16 there, llama.cpp's default
+    too. K and V rounded to fp16 keep 3 more mantissa bits than bf16 (their range, +-65504, is far
+    beyond what attention's K and V reach), and a long context's attention reads half the bytes:
+    at 2,000 tokens an fp32 cache is a quarter of the bytes a decode step reads."""
+    fp16 = auto and torch.device(device).type == "cpu" and dtype == torch.float32
+    return torch.float16 if fp16 and cpu_kernels() is not None and cpu_kernels().f16c else dtype
+
+
 def cache_dir() -> Path:
     """$NANOSPEC_CACHE or ~/.cache/nanospec: the converted default model, the built C kernels."""
     return Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
@@ -152,7 +162,7 @@ def cpu_kernels():
     lib.bf16_dot, lib.f16c = isa == "avx512bf16", isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
-    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, ptr, ptr, i32]
+    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, i32, ptr, ptr, i32]
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32, i32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64, i32]
     return lib
@@ -204,7 +214,10 @@ def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
     assert context is not None, "attention called outside an engine step (no AttentionContext set)"
     store_kv(k, v, k_cache, v_cache, context.slot_mapping)
+    types = (q.dtype, k_cache.dtype)
+    c_types = q.dtype == k_cache.dtype or types == (torch.float32, torch.float16)
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
+    c_fits = c_fits and c_types
     fn = pick(
         q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention
     )
@@ -275,12 +288,14 @@ def use_linears(model: nn.Module, pack: bool = True, small_weights: bool = False
     return model
 
 
-def weights_summary(model: nn.Module) -> str:
-    """' (float16 weights)' where the linears' packed weights differ from the activations' dtype,
-    for the run summaries."""
+def dtypes_summary(model: nn.Module, kv_dtype: torch.dtype) -> str:
+    """' (float16 weights, float16 KV cache)': what differs from the activations' dtype, the
+    linears' packed weights and the KV cache, for the run summaries."""
+    dtype = next(model.parameters()).dtype
     packed = {m.packed.dtype for m in model.modules() if getattr(m, "packed", None) is not None}
-    other = sorted(str(d)[6:] for d in packed - {next(model.parameters()).dtype})
-    return f" ({', '.join(other)} weights)" if other else ""
+    other = [f"{str(d)[6:]} weights" for d in sorted(packed - {dtype}, key=str)]
+    other += [f"{str(kv_dtype)[6:]} KV cache"] if kv_dtype != dtype else []
+    return f" ({', '.join(other)})" if other else ""
 
 
 def torch_linear(x, weight, bias=None):
@@ -291,7 +306,7 @@ def torch_linear(x, weight, bias=None):
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_kernels.c's `wt`
+C_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_kernels.c's type codes
 
 
 def c_linear(x, packed, bias, out_features):
@@ -302,7 +317,7 @@ def c_linear(x, packed, bias, out_features):
     # The bf16 dot product takes bf16 rows as they are. The FMA path takes fp32 rows, widened here
     # once (exactly), so that the kernel's broadcast of x[m, k] is a single load. Both walk k in
     # pairs: an odd K gets a zero column (its weights are zero-padded too).
-    w_type = WEIGHT_TYPES[packed.dtype]
+    w_type = C_TYPES[packed.dtype]
     assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
     dot = lib.bf16_dot and w_type == 1 and rows.dtype == torch.bfloat16
     if not dot and rows.dtype != torch.float32:
@@ -339,10 +354,11 @@ def linear_scratch(floats: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Paged attention, store_kv, norms, rotary, activations: torch references and C kernels.
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    """k, v: [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots. A pure copy,
-    so one implementation (torch's scatter) serves every device."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """k, v: [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots, rounded to
+    the cache's dtype (kv_cache_dtype). A pure copy, so one implementation (torch's scatter)
+    serves every device."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def torch_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
@@ -376,14 +392,15 @@ def torch_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
 
 
 def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
-    """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (fp32 or bf16)."""
+    """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (q fp32 or bf16;
+    the caches q's dtype, or fp16 under fp32 queries: attention's c_fits)."""
     q = q.contiguous()
     tables, seq_lens, starts = (
         t.long().contiguous() for t in (ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)
     )
     out = torch.empty_like(q)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     tree, tree_args = (), (None, None, 0)
     if ctx.tree_pos is not None:  # (tree holds the tensors while the kernel runs)
         tree = [t.long().contiguous() for t in (ctx.tree_pos, ctx.tree_keys)]
@@ -391,8 +408,8 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     # cpu_kernels.c's arguments, in its order
     args = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
     args += [len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size]
-    args += [scale, q.dtype == torch.bfloat16, torch.get_num_threads(), *tree_args]
-    cpu_kernels().paged_attention(*args)
+    args += [scale, q.dtype == torch.bfloat16, C_TYPES[k_cache.dtype], torch.get_num_threads()]
+    cpu_kernels().paged_attention(*args, *tree_args)
     return out
 
 

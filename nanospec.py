@@ -275,6 +275,7 @@ class LLMEngine:
         self.model_path, self.device, self.block_size = model, torch.device(c.device), block_size
         self.model, self.config = load_model(model, c.dtype, self.device)
         self.dtype = next(self.model.parameters()).dtype
+        self.kv_dtype = kernels.kv_cache_dtype(self.dtype, self.device, c.dtype in (None, "auto"))
         self.tokenizer = load_tokenizer(model)
         self.eos_ids = eos_token_ids(self.config, self.tokenizer)
         self.proposer = make_proposer(c, self.model)
@@ -293,11 +294,11 @@ class LLMEngine:
         num_blocks = c.num_blocks
         if num_blocks is None:  # one pool: a block id costs its K/V in the target and in the draft
             num_blocks = int(c.kv_cache_gib * 2**30) // bytes_per_block(
-                cache_models, block_size, self.dtype
+                cache_models, block_size, self.kv_dtype
             )
         require(num_blocks >= 1, f"kv_cache_gib {c.kv_cache_gib} is too small for one KV block")
         self.kv_caches = [
-            allocate_kv_cache(m, num_blocks, block_size, self.dtype, self.device)
+            allocate_kv_cache(m, num_blocks, block_size, self.kv_dtype, self.device)
             for m in cache_models
         ]
         self.blocks = BlockManager(num_blocks, block_size, c.enable_prefix_caching, has_draft_model)
@@ -637,7 +638,7 @@ def summary_table(outputs: list[RequestOutput], elapsed: float, llm: LLMEngine):
         "output tok/s": f"{num_tokens / elapsed:.1f}",
         "TTFT median (ms)": median_ms("ttft"),
         "TPOT median (ms)": median_ms("tpot"),
-        "dtype, kernels": f"{str(llm.dtype)[6:]}{kernels.weights_summary(llm.model)}, "
+        "dtype, kernels": f"{str(llm.dtype)[6:]}{kernels.dtypes_summary(llm.model, llm.kv_dtype)}, "
         f"{kernels.kernels_summary(llm.device)}",
         "cached prompt tokens": f"{cached} of {prompt} ({100 * cached / prompt:.0f}%)",
     }

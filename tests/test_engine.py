@@ -262,8 +262,9 @@ def test_bf16_c_kernels_give_the_torch_paths_greedy_output(target, drafts, monke
 @pytest.mark.parametrize("draft", ["ngram", "draft"])
 def test_auto_dtype_without_bf16_dot_is_fp32_with_fp16_weights(target, drafts, monkeypatch, draft):
     """--dtype auto on a CPU without AVX512-BF16 (here the AVX2 build): fp32 activations with
-    every linear's weights packed in fp16. Speculation keeps its greedy output, bit for bit, with
-    lookahead across blocks, preemption and chunked prefill (which takes the K-blocked path)."""
+    every linear's weights packed in fp16, and an fp16 KV cache. Speculation keeps its greedy
+    output, bit for bit, with lookahead across blocks, preemption and chunked prefill (which takes
+    the K-blocked path)."""
     import functools
 
     import kernels
@@ -283,5 +284,6 @@ def test_auto_dtype_without_bf16_dot_is_fp32_with_fp16_weights(target, drafts, m
         m.packed.dtype for m in plain.model.modules() if getattr(m, "packed", None) is not None
     }
     assert plain.dtype == torch.float32 and packed == {torch.float16}
+    assert plain.kv_dtype == torch.float16 and plain.kv_caches[0].dtype == torch.float16
     spec, spec_ids = run(draft=drafts[draft], num_spec_tokens=3)
     assert spec_ids == plain_ids and spec.stats["preemptions"] > 0

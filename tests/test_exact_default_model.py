@@ -1,12 +1,16 @@
 # Speculation changes nothing, bit for bit, on the real default model (SmolLM2-135M-Instruct) in
-# fp32 and bf16: greedy tokens with n-gram K = 1, 4, 8 and auto and with a self-draft, seeded
-# sampling, logprobs, a run with forced preemption, and batched against alone. Kept to a few prompts
-# and 160 tokens for CI; `bench.py` reports "identical to plain" for any larger workload.
+# fp32, bf16 and --dtype auto as AVX2 CPUs run it: greedy tokens with n-gram K = 1, 4, 8 and auto
+# and with a self-draft, seeded sampling, logprobs, a run with forced preemption, and batched
+# against alone. Kept to a few prompts and 160 tokens for CI; `bench.py` reports "identical to
+# plain" for any larger workload.
+import functools
 import importlib.util
 
 import pytest
 import tiny
+import torch
 
+import kernels
 from nanospec import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -34,25 +38,36 @@ SEEDED = [
 LOGPROBS = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "auto-avx2"])
 def plain(request):
     """The plain engine for one dtype, the chat prompts, and its outputs: the reference every run
-    must equal."""
-    llm = LLM(dtype=request.param)
-    prompts = [
-        llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS
-    ]
-    greedy = [o.token_ids for o in llm.generate(prompts, GREEDY, use_progress=False)]
-    seeded = [o.token_ids for o in llm.generate(prompts, SEEDED, use_progress=False)]
-    logprobs = [o.logprobs for o in llm.generate(prompts[:2], LOGPROBS, use_progress=False)]
-    return dict(
-        dtype=request.param,
-        prompts=prompts,
-        llm=llm,
-        greedy=greedy,
-        seeded=seeded,
-        logprobs=logprobs,
-    )
+    must equal. auto-avx2: --dtype auto as an AVX2 CPU (most users') runs it, fp32 activations
+    with fp16 weights and KV cache; the C kernels' AVX2 build stays in use for the module."""
+    with pytest.MonkeyPatch.context() as patch:
+        dtype = request.param
+        if dtype == "auto-avx2":
+            patch.setenv("NANOSPEC_ISA", "avx2")
+            patch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
+            if kernels.cpu_isa() != "avx2" or kernels.cpu_kernels() is None:
+                pytest.skip("needs the C kernels' AVX2 build")
+            dtype = "auto"
+        llm = LLM(dtype=dtype)
+        if request.param == "auto-avx2":
+            assert (llm.dtype, llm.kv_dtype) == (torch.float32, torch.float16)
+        prompts = [
+            llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS
+        ]
+        greedy = [o.token_ids for o in llm.generate(prompts, GREEDY, use_progress=False)]
+        seeded = [o.token_ids for o in llm.generate(prompts, SEEDED, use_progress=False)]
+        logprobs = [o.logprobs for o in llm.generate(prompts[:2], LOGPROBS, use_progress=False)]
+        yield dict(
+            dtype=dtype,
+            prompts=prompts,
+            llm=llm,
+            greedy=greedy,
+            seeded=seeded,
+            logprobs=logprobs,
+        )
 
 
 def test_batched_equals_alone(plain):

@@ -165,20 +165,33 @@ def check_attention(fn, dtype, block_size):
         assert torch.equal(row, rows["decode"]), f"position 44 differs between decode and {name}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def c_attention_fp16_cache(q, k_cache, v_cache, scale, ctx):
+    """The C kernel over the caches rounded to fp16: --dtype auto's KV cache on AVX2."""
+    return kernels.c_paged_attention(q, k_cache.half(), v_cache.half(), scale, ctx)
+
+
+@pytest.mark.parametrize(
+    "dtype,fn",
+    [
+        (torch.float32, kernels.c_paged_attention),
+        (torch.bfloat16, kernels.c_paged_attention),
+        (torch.float32, c_attention_fp16_cache),
+    ],
+    ids=["fp32", "bf16", "fp32-fp16-cache"],
+)
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_c_attention_query_is_invariant(c_isa, dtype, block_size):
+def test_c_attention_query_is_invariant(c_isa, dtype, fn, block_size):
     """Also across thread counts: the kernel splits a few queries into smaller blocks for more
     threads."""
+    if fn is c_attention_fp16_cache and c_isa == "generic":
+        pytest.skip("fp16 caches need F16C (the generic build has none)")
     threads = torch.get_num_threads()
     try:
         rows = []
         for n in (1, 2, 8):
             torch.set_num_threads(n)
-            check_attention(kernels.c_paged_attention, dtype, block_size)
-            rows.append(
-                attention_of_position_44(kernels.c_paged_attention, dtype, block_size)["verify"]
-            )
+            check_attention(fn, dtype, block_size)
+            rows.append(attention_of_position_44(fn, dtype, block_size)["verify"])
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(row, rows[0]) for row in rows)

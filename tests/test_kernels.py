@@ -5,6 +5,7 @@ import contextlib
 import functools
 import os
 import random
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -229,6 +230,36 @@ def test_c_paged_attention_matches_torch(
 
 
 @needs_c_kernels
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("head_dim", [64, 48])  # a constant-shape instance, the general one
+def test_c_attention_with_fp16_cache_equals_fp32_cache_of_its_values(batch, head_dim):
+    """fp32 queries over an fp16 cache (--dtype auto on AVX2): the kernel widens each K/V value
+    exactly, so it equals, bit for bit, the kernel over an fp32 cache holding the fp16 values."""
+    q, k_cache, v_cache, scale, ctx = make_paged_batch(
+        BATCHES[batch], 4, 6, 2, head_dim, torch.float32
+    )
+    k16, v16 = k_cache.half(), v_cache.half()
+    got = kernels.c_paged_attention(q, k16, v16, scale, ctx)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, kernels.c_paged_attention(q, k16.float(), v16.float(), scale, ctx))
+    torch.testing.assert_close(got, kernels.torch_paged_attention(q, k16, v16, scale, ctx))
+
+
+def test_kv_cache_dtype(monkeypatch):
+    """fp16 only under --dtype auto with fp32 activations on a CPU whose C kernels have F16C."""
+    lib = SimpleNamespace(f16c=True)
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: lib)
+    assert kernels.kv_cache_dtype(torch.float32, "cpu", auto=True) == torch.float16
+    assert kernels.kv_cache_dtype(torch.float32, "cpu", auto=False) == torch.float32
+    assert kernels.kv_cache_dtype(torch.bfloat16, "cpu", auto=True) == torch.bfloat16
+    assert kernels.kv_cache_dtype(torch.float32, "cuda", auto=True) == torch.float32
+    lib.f16c = False  # the generic build
+    assert kernels.kv_cache_dtype(torch.float32, "cpu", auto=True) == torch.float32
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)
+    assert kernels.kv_cache_dtype(torch.float32, "cpu", auto=True) == torch.float32
+
+
+@needs_c_kernels
 @pytest.mark.parametrize(
     "x_dtype,w_dtype",
     [
@@ -344,7 +375,6 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
     activations elsewhere (weights packed fp16, use_linears); without them, bf16 where torch has
     bf16 instructions, fp32 on a CPU with neither (torch's bf16 matmul is slow there); a GPU keeps
     a 16-bit checkpoint's dtype."""
-    from types import SimpleNamespace
 
     assert kernels.auto_dtype(torch.float16, "cuda") == torch.float16
     assert kernels.auto_dtype(torch.float32, "cuda") == torch.bfloat16
