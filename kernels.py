@@ -214,10 +214,10 @@ def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
     assert context is not None, "attention called outside an engine step (no AttentionContext set)"
     store_kv(k, v, k_cache, v_cache, context.slot_mapping)
-    types = (q.dtype, k_cache.dtype)
-    c_types = q.dtype == k_cache.dtype or types == (torch.float32, torch.float16)
+    # the cache in q's dtype, or fp16 under fp32 queries (kv_cache_dtype)
+    fp16_cache = q.dtype == torch.float32 and k_cache.dtype == torch.float16
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
-    c_fits = c_fits and c_types
+    c_fits = c_fits and (q.dtype == k_cache.dtype or fp16_cache)
     fn = pick(
         q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention
     )

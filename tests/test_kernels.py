@@ -298,15 +298,11 @@ def test_c_rms_norm_matches_torch_roundings(shape, with_residual, dtype):
     )
     if with_residual:  # the sum is one rounded addition in both
         assert torch.equal(got[1], expected[1])
+        got, expected = got[0], expected[0]
     # Same roundings as the reference; only the fp32 sum's order (and 1 / sqrt against torch's
     # rsqrt) may differ: by 1 bf16 ulp at most, or a few fp32 ulps.
     rtol = 2**-7 if dtype == torch.bfloat16 else 4 * 2**-23
-    torch.testing.assert_close(
-        got[0] if with_residual else got,
-        expected[0] if with_residual else expected,
-        atol=0,
-        rtol=rtol,
-    )
+    torch.testing.assert_close(got, expected, atol=0, rtol=rtol)
 
 
 @needs_c_kernels
@@ -329,9 +325,8 @@ def test_c_rotary_equals_torch_bit_for_bit(num_tokens, num_heads, num_kv_heads, 
 
 def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
     """CPU tensors take the C kernel when it built (RMSNorm: x and weight of one dtype); with no
-    compiler (or the
-    switch off) the torch path runs, after a warning that names the file; linears are then not
-    packed."""
+    compiler (or the switch off) the torch path runs, after a warning that names the file; linears
+    are then not packed."""
     x, weight = torch.randn(3, 32).bfloat16(), torch.ones(32).bfloat16()
     if kernels.cpu_kernels() is not None:
         with mock.patch.object(
@@ -375,7 +370,6 @@ def test_auto_dtype_follows_the_hardware(monkeypatch):
     activations elsewhere (weights packed fp16, use_linears); without them, bf16 where torch has
     bf16 instructions, fp32 on a CPU with neither (torch's bf16 matmul is slow there); a GPU keeps
     a 16-bit checkpoint's dtype."""
-
     assert kernels.auto_dtype(torch.float16, "cuda") == torch.float16
     assert kernels.auto_dtype(torch.float32, "cuda") == torch.bfloat16
     for bf16_dot, want in ((True, torch.bfloat16), (False, torch.float32)):  # C kernels built
