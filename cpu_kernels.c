@@ -300,6 +300,22 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     }
 }
 
+// Scalar reads and writes of element i, fp32 or bf16, and for put fp16 too (type as load_vf's):
+// rounded to nearest even, as torch rounds.
+static inline float get(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float rounded(float v, int is_bf16) { return is_bf16 ? to_f32(to_bf16(v)) : v; }
+
+static inline void put(void *p, int64_t i, float v, int type) {
+#ifdef __F16C__
+    if (type == 2) ((uint16_t *)p)[i] = _cvtss_sh(v, 0);
+#endif
+    if (type == 1) ((bf16 *)p)[i] = to_bf16(v);
+    if (!type) ((float *)p)[i] = v;
+}
+
 // -----------------------------------------------------------------------------------------------
 // Paged attention for packed queries q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D]: the
 // contract of torch_paged_attention, for prefill chunks, decode and verification alike. A work item
@@ -373,17 +389,19 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         // A chunk within one block (no tree path in it) has consecutive slots: one table lookup.
         int one_block = block_size % LANES == 0 && !(remap && l0 + LANES > remap_from);
         int64_t first_slot = table[l0 / block_size] * block_size + l0 % block_size;
-        // the next chunk's keys
-        for (int64_t l = l0 + LANES; l < l0 + 2 * LANES && l < all_keys; l++) {
-            int64_t next = ((table[l / block_size] * block_size + l % block_size) * slot_stride
-                            // (tree paths aside) load while this one computes
-                            + kv_head * head_dim) *
-                           kv_elem;
+        // the next chunk's keys, loaded while this one computes (a tree path's keys aside)
+        int64_t l1 = l0 + LANES < all_keys ? l0 + LANES : l0;
+        const char *next_k =
+            (const char *)k_cache +
+            ((table[l1 / block_size] * block_size + l1 % block_size) * slot_stride +
+             kv_head * head_dim) *
+                kv_elem;
+        const char *next_v = (const char *)v_cache + (next_k - (const char *)k_cache);
+        for (int j = 0; j < LANES && block_size % LANES == 0; j++)
             for (int c = 0; c < head_dim * kv_elem; c += 64) {
-                __builtin_prefetch((const char *)k_cache + next + c);
-                __builtin_prefetch((const char *)v_cache + next + c);
+                __builtin_prefetch(next_k + j * slot_stride * kv_elem + c);
+                __builtin_prefetch(next_v + j * slot_stride * kv_elem + c);
             }
-        }
         // key j in slot bit_reversed(j), the order sum_lanes wants
         for (int j = 0; j < LANES; j++) {
             // past the last key: a valid one, masked below
@@ -440,14 +458,23 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     }
 }
 
-void paged_attention(const void *q, const void *k_cache, const void *v_cache,
-                     const int64_t *block_tables, const int64_t *seq_lens,
-                     const int64_t *query_start_loc, void *out, int num_seqs, int max_blocks,
-                     int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                     int is_bf16, int kv_type, int threads, const int64_t *tree_pos,
-                     const int64_t *tree_keys, int tree_width) {
+void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t *block_tables,
+                     const int64_t *seq_lens, const int64_t *query_start_loc, void *out,
+                     int num_seqs, int max_blocks, int num_heads, int num_kv_heads, int head_dim,
+                     int block_size, float scale, int is_bf16, int kv_type, int threads,
+                     const int64_t *tree_pos, const int64_t *tree_keys, int tree_width,
+                     const void *k, const void *v, int64_t k_stride, int64_t v_stride,
+                     const int64_t *slot_mapping) {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
+    // With k and v [T, Hkv, D] (q's dtype, row strides k_stride, v_stride): this step's keys and
+    // values go into their slots first, rounded to the cache's type (kernels.store_kv's contract).
+    for (int t = 0; k && t < num_tokens; t++)
+        for (int64_t i = 0; i < slot_stride; i++) {
+            int64_t slot = slot_mapping[t] * slot_stride + i;
+            put(k_cache, slot, get(k, t * k_stride + i, is_bf16), kv_type);
+            put(v_cache, slot, get(v, t * v_stride + i, is_bf16), kv_type);
+        }
     // Blocks of queries small enough to give every thread about two items (a decode or verify step
     // at batch 1 has few queries: with a block of 8 one thread would do all the work).
     int block = tree_pos ? 1 : QUERY_BLOCK;
@@ -495,19 +522,6 @@ void paged_attention(const void *q, const void *k_cache, const void *v_cache,
 // add (and sums in its own order). RMSNorm of x [rows, H] in fp32: x * rsqrt(mean(x^2) + eps),
 // rounded to x's dtype, times w. With residual: x + residual (rounded) is normed and also written
 // to residual_out.
-static inline float get(const void *p, int64_t i, int is_bf16) {
-    return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline float rounded(float v, int is_bf16) { return is_bf16 ? to_f32(to_bf16(v)) : v; }
-
-static inline void put(void *p, int64_t i, float v, int is_bf16) {
-    if (is_bf16)
-        ((bf16 *)p)[i] = to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
 void rms_norm(const void *x, const void *residual, const void *weight, void *out,
               void *residual_out, int rows, int hidden, float eps, int is_bf16) {
 #pragma omp parallel for schedule(static) if (rows > 16)
@@ -550,4 +564,24 @@ void rotary(const void *x, const void *cos_sin, void *out, int tokens, int heads
             }
         }
     }
+}
+
+// silu(gate) * up of x [rows, 2 * size] = [gate | up] into out [rows, size], rounded like
+// torch_silu_mul: silu first, then the product. size is a multiple of LANES.
+void silu_mul(const void *x, void *out, int rows, int size, int is_bf16) {
+    int elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (rows > 16)
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < size; i += LANES) {
+            const char *gate_at = (const char *)x + ((int64_t)r * 2 * size + i) * elem;
+            vf gate = load_vf(gate_at, is_bf16), up = load_vf(gate_at + size * elem, is_bf16);
+            // sigmoid(g) = (g >= 0 ? 1 : e) / (1 + e) with e = e^-|g| <= 1: no overflow anywhere
+            vi negative = gate < 0;
+            vf e = exp_vf((vf)((vu)gate | 0x80000000u));  // the sign bit set: -|g|
+            vf silu = gate * (vf)(((vi)e & negative) | ((vi)splat(1.0f) & ~negative)) / (1 + e);
+            char rounded_silu[LANES * 4];
+            store_vf(rounded_silu, silu, is_bf16);
+            store_vf((char *)out + ((int64_t)r * size + i) * elem,
+                     load_vf(rounded_silu, is_bf16) * up, is_bf16);
+        }
 }

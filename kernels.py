@@ -162,9 +162,11 @@ def cpu_kernels():
     lib.bf16_dot, lib.f16c = isa == "avx512bf16", isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
-    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32, i32, i32, i32, ptr, ptr, i32]
+    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
+    lib.paged_attention.argtypes += [ptr, ptr, i64, i64, ptr]  # store_kv's work
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32, i32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64, i32]
+    lib.silu_mul.argtypes = [ptr] * 2 + [i32] * 3
     return lib
 
 
@@ -210,10 +212,14 @@ def rotary(x, cos_sin):
     return pick(x, torch_rotary, c_rotary if c_fits else None, torch_rotary)(x, cos_sin)
 
 
+def silu_mul(x):
+    c_fits = x.shape[-1] % 32 == 0
+    return pick(x, torch_silu_mul, c_silu_mul if c_fits else None, torch_silu_mul)(x)
+
+
 def attention(q, k, v, k_cache, v_cache, scale):
     """What a model's attention layer calls: store this step's K/V, then attend over the cache."""
     assert context is not None, "attention called outside an engine step (no AttentionContext set)"
-    store_kv(k, v, k_cache, v_cache, context.slot_mapping)
     # the cache in q's dtype, or fp16 under fp32 queries (kv_cache_dtype)
     fp16_cache = q.dtype == torch.float32 and k_cache.dtype == torch.float16
     c_fits = q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape[1] // k_cache.shape[2] <= 16
@@ -221,6 +227,9 @@ def attention(q, k, v, k_cache, v_cache, scale):
     fn = pick(
         q, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention
     )
+    if fn is c_paged_attention:  # which stores them itself: one call a layer, not five
+        return fn(q, k_cache, v_cache, scale, context, (k, v))
+    store_kv(k, v, k_cache, v_cache, context.slot_mapping)
     return fn(q, k_cache, v_cache, scale, context)
 
 
@@ -391,9 +400,10 @@ def torch_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     return out
 
 
-def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
+def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, new_kv=None):
     """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (q fp32 or bf16;
-    the caches q's dtype, or fp16 under fp32 queries: attention's c_fits)."""
+    the caches q's dtype, or fp16 under fp32 queries: attention's c_fits). With new_kv = (k, v)
+    it first does store_kv's work."""
     q = q.contiguous()
     tables, seq_lens, starts = (
         t.long().contiguous() for t in (ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)
@@ -409,7 +419,12 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     args = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
     args += [len(seq_lens), tables.shape[1], q.shape[1], num_kv_heads, head_dim, block_size]
     args += [scale, q.dtype == torch.bfloat16, C_TYPES[k_cache.dtype], torch.get_num_threads()]
-    cpu_kernels().paged_attention(*args, *tree_args)
+    store_args = (None, None, 0, 0, None)
+    if new_kv is not None:  # rows of heads [T, Hkv, D] at any row stride
+        k, v = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in new_kv)
+        slots = ctx.slot_mapping.data_ptr()
+        store_args = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots)
+    cpu_kernels().paged_attention(*args, *tree_args, *store_args)
     return out
 
 
@@ -453,11 +468,20 @@ def c_rotary(x, cos_sin):
     return out
 
 
-def silu_mul(x):
-    """x: [T, 2I] = [gate | up] -> silu(gate) * up. Elementwise: the torch op serves every
-    device."""
+def torch_silu_mul(x):
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def c_silu_mul(x):
+    """cpu_kernels.c's silu_mul; same contract as torch_silu_mul (fp32 or bf16, CPU; I a
+    multiple of 16)."""
+    x = x.contiguous()
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    rows, is_bf16 = x.numel() // x.shape[-1], x.dtype == torch.bfloat16
+    cpu_kernels().silu_mul(x.data_ptr(), out.data_ptr(), rows, out.shape[-1], is_bf16)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -245,6 +245,52 @@ def test_c_attention_with_fp16_cache_equals_fp32_cache_of_its_values(batch, head
     torch.testing.assert_close(got, kernels.torch_paged_attention(q, k16, v16, scale, ctx))
 
 
+@needs_c_kernels
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, "fp16")],
+    ids=["fp32", "bf16", "fp32-q-fp16-cache"],
+)
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_c_attention_stores_this_steps_kv_like_store_kv(batch, dtype, cache_dtype):
+    """Given this step's K/V (strided rows, as the model's views of qkv are), the C call first does
+    store_kv's work: the caches afterwards, and the output, equal store_kv's then attending."""
+    if cache_dtype == "fp16" and not kernels.cpu_kernels().f16c:
+        pytest.skip("an fp16 cache needs F16C (this build is generic)")
+    q, k_cache, v_cache, scale, ctx = make_paged_batch(BATCHES[batch], 4, 6, 2, 64, dtype)
+    k_cache, v_cache = (c.half() if cache_dtype == "fp16" else c for c in (k_cache, v_cache))
+    num_tokens = len(q)
+    qkv = randn(num_tokens, 5 * 128, dtype=dtype)
+    k, v = (qkv[:, i : i + 128].view(num_tokens, 2, 64) for i in (3 * 128, 4 * 128))
+    # this step's slots: the last q_len positions of each sequence
+    positions = [context - q_len + j for context, q_len in BATCHES[batch] for j in range(q_len)]
+    seq_of = [b for b, (_, q_len) in enumerate(BATCHES[batch]) for _ in range(q_len)]
+    tables = ctx.block_tables.long()
+    ctx.slot_mapping = torch.tensor(
+        [int(tables[b, p // 4]) * 4 + p % 4 for b, p in zip(seq_of, positions)]
+    )
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kernels.store_kv(k, v, want_k, want_v, ctx.slot_mapping)
+    want = kernels.c_paged_attention(q, want_k, want_v, scale, ctx)
+    got = kernels.c_paged_attention(q, k_cache, v_cache, scale, ctx, (k, v))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(got, want)
+
+
+@needs_c_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows", [0, 1, 7, 40])  # 40: split across threads
+def test_c_silu_mul_matches_torch(rows, dtype):
+    # gates from -100 to 100: e^-g overflows fp32 past 88, where silu is -0 (torch's too)
+    x = (10 * torch.randn(rows, 2 * 96)).to(dtype)
+    x[:, :3] = torch.tensor([-100.0, 100.0, 0.0]).to(dtype)
+    got, want = kernels.c_silu_mul(x), kernels.torch_silu_mul(x)
+    # bf16: the same two roundings as torch, of an fp32 silu within ulps of torch's
+    tolerance = dict(atol=0, rtol=2**-7) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got, want, **tolerance)
+    assert kernels.silu_mul(x) is not None and got.shape == (rows, 96)
+
+
 def test_kv_cache_dtype(monkeypatch):
     """fp16 only under --dtype auto with fp32 activations on a CPU whose C kernels have F16C."""
     lib = SimpleNamespace(f16c=True)
