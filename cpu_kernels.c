@@ -300,8 +300,12 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     }
 }
 
-// Scalar reads and writes of element i, fp32 or bf16, and for put fp16 too (type as load_vf's):
-// rounded to nearest even, as torch rounds.
+// -----------------------------------------------------------------------------------------------
+// RMSNorm and rotary, fp32 or bf16: torch runs each as a chain of small ops (a dozen calls of ~1 us
+// each at decode); here one pass. bf16 is rounded like the torch reference step by step, so the two
+// agree bit for bit; fp32 rounds each operation once, as torch does, but may fuse a multiply and an
+// add (and sums in its own order). Scalar reads and writes of element i: fp32 or bf16, and for put
+// fp16 too (type as load_vf's), rounded to nearest even as torch rounds.
 static inline float get(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
 }
@@ -316,17 +320,64 @@ static inline void put(void *p, int64_t i, float v, int type) {
     if (!type) ((float *)p)[i] = v;
 }
 
+// RMSNorm of x [rows, H] in fp32: x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times w. With
+// residual: x + residual (rounded) is normed and also written to residual_out.
+void rms_norm(const void *x, const void *residual, const void *weight, void *out,
+              void *residual_out, int rows, int hidden, float eps, int is_bf16) {
+#pragma omp parallel for schedule(static) if (rows > 16)
+    for (int r = 0; r < rows; r++) {
+        float row[hidden], sum_sq = 0.0f;
+        int64_t at = (int64_t)r * hidden;
+        for (int i = 0; i < hidden; i++) {
+            float v = get(x, at + i, is_bf16);
+            if (residual) {
+                v = rounded(v + get(residual, at + i, is_bf16), is_bf16);
+                put(residual_out, at + i, v, is_bf16);
+            }
+            row[i] = v;
+        }
+#pragma omp simd reduction(+ : sum_sq)
+        for (int i = 0; i < hidden; i++) sum_sq += row[i] * row[i];
+        float inv = 1.0f / sqrtf(sum_sq / hidden + eps);
+        for (int i = 0; i < hidden; i++)
+            put(out, at + i, rounded(row[i] * inv, is_bf16) * get(weight, i, is_bf16), is_bf16);
+    }
+}
+
+// Neox rotary of x [T, H, D] (row stride stride_x; heads contiguous) with cos_sin [T, D] = [cos |
+// sin], into out [T, H, D], rounded like torch_rotary: each product rounded, then their
+// difference/sum.
+void rotary(const void *x, const void *cos_sin, void *out, int tokens, int heads, int head_dim,
+            int64_t stride_x, int is_bf16) {
+    int half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens > 16)
+    for (int t = 0; t < tokens; t++) {
+        int64_t cos = (int64_t)t * head_dim, sin = cos + half;
+        for (int h = 0; h < heads; h++) {
+            int64_t x1 = t * stride_x + (int64_t)h * head_dim, x2 = x1 + half;
+            int64_t o = ((int64_t)t * heads + h) * head_dim;
+            for (int i = 0; i < half; i++) {
+                float c = get(cos_sin, cos + i, is_bf16), s = get(cos_sin, sin + i, is_bf16);
+                float a = get(x, x1 + i, is_bf16), b = get(x, x2 + i, is_bf16);
+                put(out, o + i, rounded(a * c, is_bf16) - rounded(b * s, is_bf16), is_bf16);
+                put(out, o + i + half, rounded(b * c, is_bf16) + rounded(a * s, is_bf16), is_bf16);
+            }
+        }
+    }
+}
+
 // -----------------------------------------------------------------------------------------------
-// Paged attention for packed queries q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D]: the
-// contract of torch_paged_attention, for prefill chunks, decode and verification alike. A work item
-// is up to QUERY_BLOCK consecutive queries of one sequence and one KV head with its group of query
-// heads. It reads keys 0..position from the cache in chunks of LANES keys from position 0, widening
-// each chunk once for all its queries and heads; each (query, head) then runs its own online
-// softmax over the chunks it sees: the same arithmetic for a query at a given position whatever the
-// step or block around it. D must be a multiple of 16. A tree node (tree_pos set, one query per
-// item) reads logical keys 0..tree_pos[t], the last tree_width of them from the physical positions
-// in its tree_keys row. q and out are fp32 or bf16; the caches are q's dtype, or fp16 under fp32
-// queries (--dtype auto without a bf16 dot product: half the bytes a long context reads).
+// Paged attention for packed queries q [T, Hq, D] (rows at stride q_stride) over caches
+// [num_blocks, block_size, Hkv, D]: the contract of torch_paged_attention, for prefill chunks,
+// decode and verification alike. A work item is up to QUERY_BLOCK consecutive queries of one
+// sequence and one KV head with its group of query heads. It reads keys 0..position from the cache
+// in chunks of LANES keys from position 0, widening each chunk once for all its queries and heads;
+// each (query, head) then runs its own online softmax over the chunks it sees: the same arithmetic
+// for a query at a given position whatever the step or block around it. D must be a multiple of 16.
+// A tree node (tree_pos set, one query per item) reads logical keys 0..tree_pos[t], the last
+// tree_width of them from the physical positions in its tree_keys row. q and out are fp32 or bf16;
+// the caches are q's dtype, or fp16 under fp32 queries (--dtype auto without a bf16 dot product:
+// half the bytes a long context reads).
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define QUERY_BLOCK 8
@@ -367,8 +418,9 @@ static inline vf sum_lanes(vf v[LANES]) {
 static inline __attribute__((always_inline)) void
 attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out,
        int t0, int num_queries, int kv_head, int num_keys, int num_heads, int group, int block_size,
-       int64_t slot_stride, float scale, const int64_t *remap, int remap_from, const int chunks,
-       const int is_bf16, const int kv_type) {  // query t0 + i sees keys 0..num_keys + i - 1
+       int64_t slot_stride, float scale, const int64_t *remap, int remap_from, int64_t q_stride,
+       const int chunks, const int is_bf16,
+       const int kv_type) {  // query t0 + i sees keys 0..num_keys + i - 1
     int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4, pairs = num_queries * group;
     int kv_elem = kv_type ? 2 : 4;
     int all_keys = num_keys + num_queries - 1;
@@ -377,9 +429,9 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     float max_score[QUERY_BLOCK * MAX_GROUP], total[QUERY_BLOCK * MAX_GROUP];
     // pair i: query t0 + i / group, head i % group of the KV head's group
     for (int i = 0; i < pairs; i++) {
-        int64_t head = (int64_t)(t0 + i / group) * num_heads + kv_head * group + i % group;
+        int64_t at = (t0 + i / group) * q_stride + (kv_head * group + i % group) * head_dim;
         for (int c = 0; c < chunks; c++) {
-            qv[i][c] = load_vf((const char *)q + (head * head_dim + c * LANES) * elem, is_bf16);
+            qv[i][c] = load_vf((const char *)q + (at + c * LANES) * elem, is_bf16);
             acc[i][c] = (vf){};
         }
         max_score[i] = -INFINITY, total[i] = 0.0f;
@@ -462,16 +514,23 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
                      int num_seqs, int max_blocks, int num_heads, int num_kv_heads, int head_dim,
                      int block_size, float scale, int is_bf16, int kv_type, int threads,
                      const int64_t *tree_pos, const int64_t *tree_keys, int tree_width,
-                     const void *k, const void *v, int64_t k_stride, int64_t v_stride,
-                     const int64_t *slot_mapping) {
+                     int64_t q_stride, const void *v, int64_t v_stride, const void *cos_sin,
+                     void *rotated, const int64_t *slot_mapping) {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
-    // With k and v [T, Hkv, D] (q's dtype, row strides k_stride, v_stride): this step's keys and
-    // values go into their slots first, rounded to the cache's type (kernels.store_kv's contract).
-    for (int t = 0; k && t < num_tokens; t++)
+    // With this step's v [T, Hkv, D] (row stride v_stride; q's dtype), q holds its keys too, after
+    // the query heads: [T, Hq + Hkv, D]. Where cos_sin is given, both are rotated first (into
+    // `rotated`); the keys and values then go into their slots, rounded to the cache's type
+    // (kernels.store_kv's contract). One call a layer instead of rotary, store_kv and attention.
+    if (cos_sin) {
+        rotary(q, cos_sin, rotated, num_tokens, num_heads + num_kv_heads, head_dim, q_stride,
+               is_bf16);
+        q = rotated, q_stride = (int64_t)(num_heads + num_kv_heads) * head_dim;
+    }
+    for (int t = 0; v && t < num_tokens; t++)
         for (int64_t i = 0; i < slot_stride; i++) {
             int64_t slot = slot_mapping[t] * slot_stride + i;
-            put(k_cache, slot, get(k, t * k_stride + i, is_bf16), kv_type);
+            put(k_cache, slot, get(q, t * q_stride + num_heads * head_dim + i, is_bf16), kv_type);
             put(v_cache, slot, get(v, t * v_stride + i, is_bf16), kv_type);
         }
     // Blocks of queries small enough to give every thread an item (a verify step at batch 1 has few
@@ -495,7 +554,8 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
 #define ATTEND(CHUNKS, BF16, KV)                                                                   \
     attend(q, k_cache, v_cache, table, out, t, num_queries, kv_head, num_keys, num_heads, group,   \
-           block_size, slot_stride, scale, remap, num_keys - tree_width, CHUNKS, BF16, KV)
+           block_size, slot_stride, scale, remap, num_keys - tree_width, q_stride, CHUNKS, BF16,   \
+           KV)
 // (q, K/V) in bf16 and bf16, fp32 and fp32, or fp32 and fp16 (kernels.c_paged_attention)
 #define ATTEND_TYPES(CHUNKS)                                                                       \
     {                                                                                              \
@@ -514,75 +574,4 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
         else
             ATTEND(head_dim / LANES, is_bf16, kv_type);
     }
-}
-
-// -----------------------------------------------------------------------------------------------
-// RMSNorm and rotary, fp32 or bf16: torch runs each as a chain of small ops (a dozen calls of ~1 us
-// each at decode); here one pass. bf16 is rounded like the torch reference step by step, so the two
-// agree bit for bit; fp32 rounds each operation once, as torch does, but may fuse a multiply and an
-// add (and sums in its own order). RMSNorm of x [rows, H] in fp32: x * rsqrt(mean(x^2) + eps),
-// rounded to x's dtype, times w. With residual: x + residual (rounded) is normed and also written
-// to residual_out.
-void rms_norm(const void *x, const void *residual, const void *weight, void *out,
-              void *residual_out, int rows, int hidden, float eps, int is_bf16) {
-#pragma omp parallel for schedule(static) if (rows > 16)
-    for (int r = 0; r < rows; r++) {
-        float row[hidden], sum_sq = 0.0f;
-        int64_t at = (int64_t)r * hidden;
-        for (int i = 0; i < hidden; i++) {
-            float v = get(x, at + i, is_bf16);
-            if (residual) {
-                v = rounded(v + get(residual, at + i, is_bf16), is_bf16);
-                put(residual_out, at + i, v, is_bf16);
-            }
-            row[i] = v;
-        }
-#pragma omp simd reduction(+ : sum_sq)
-        for (int i = 0; i < hidden; i++) sum_sq += row[i] * row[i];
-        float inv = 1.0f / sqrtf(sum_sq / hidden + eps);
-        for (int i = 0; i < hidden; i++)
-            put(out, at + i, rounded(row[i] * inv, is_bf16) * get(weight, i, is_bf16), is_bf16);
-    }
-}
-
-// Neox rotary of x [T, H, D] (row stride stride_x; heads contiguous) with cos_sin [T, D] = [cos |
-// sin], into out [T, H, D], rounded like torch_rotary: each product rounded, then their
-// difference/sum.
-void rotary(const void *x, const void *cos_sin, void *out, int tokens, int heads, int head_dim,
-            int64_t stride_x, int is_bf16) {
-    int half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (tokens > 16)
-    for (int t = 0; t < tokens; t++) {
-        int64_t cos = (int64_t)t * head_dim, sin = cos + half;
-        for (int h = 0; h < heads; h++) {
-            int64_t x1 = t * stride_x + (int64_t)h * head_dim, x2 = x1 + half;
-            int64_t o = ((int64_t)t * heads + h) * head_dim;
-            for (int i = 0; i < half; i++) {
-                float c = get(cos_sin, cos + i, is_bf16), s = get(cos_sin, sin + i, is_bf16);
-                float a = get(x, x1 + i, is_bf16), b = get(x, x2 + i, is_bf16);
-                put(out, o + i, rounded(a * c, is_bf16) - rounded(b * s, is_bf16), is_bf16);
-                put(out, o + i + half, rounded(b * c, is_bf16) + rounded(a * s, is_bf16), is_bf16);
-            }
-        }
-    }
-}
-
-// silu(gate) * up of x [rows, 2 * size] = [gate | up] into out [rows, size], rounded like
-// torch_silu_mul: silu first, then the product. size is a multiple of LANES.
-void silu_mul(const void *x, void *out, int rows, int size, int is_bf16) {
-    int elem = is_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if (rows > 16)
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < size; i += LANES) {
-            const char *gate_at = (const char *)x + ((int64_t)r * 2 * size + i) * elem;
-            vf gate = load_vf(gate_at, is_bf16), up = load_vf(gate_at + size * elem, is_bf16);
-            // sigmoid(g) = (g >= 0 ? 1 : e) / (1 + e) with e = e^-|g| <= 1: no overflow anywhere
-            vi negative = gate < 0;
-            vf e = exp_vf((vf)((vu)gate | 0x80000000u));  // the sign bit set: -|g|
-            vf silu = gate * (vf)(((vi)e & negative) | ((vi)splat(1.0f) & ~negative)) / (1 + e);
-            char rounded_silu[LANES * 4];
-            store_vf(rounded_silu, silu, is_bf16);
-            store_vf((char *)out + ((int64_t)r * size + i) * elem,
-                     load_vf(rounded_silu, is_bf16) * up, is_bf16);
-        }
 }

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import attention, rms_norm, rotary, silu_mul
+from kernels import attention, rms_norm, silu_mul
 
 
 def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
@@ -67,15 +67,14 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin=None):  # cos_sin None: no rotary (OPT)
         qkv = self.qkv_proj(x)
         heads = (self.num_heads, self.num_kv_heads)
-        # q and k sit side by side in each row of qkv: view them as one [T, Hq + Hkv, D] tensor and
-        # rotate it in one call (half the small ops of rotating q and k apart).
+        # q and k sit side by side in each row of qkv: viewed as one [T, Hq + Hkv, D] tensor they
+        # are rotated in one pass (on a CPU inside the attention kernel's own call).
         q_k = qkv[:, : self.q_size + self.kv_size].view(-1, sum(heads), self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = q_k.split(heads, dim=1)
             q_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = (q_k if cos_sin is None else rotary(q_k, cos_sin)).split(heads, dim=1)
-        out = attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        out = attention(q_k, v, cos_sin, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

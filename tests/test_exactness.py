@@ -223,8 +223,8 @@ def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
         pytest.skip("the Triton interpreter mishandles bfloat16 (CUDA only)")
     if impl == "torch" and dtype == torch.float16:
         pytest.skip("no fp16 CPU model path")
-    names = ("rms_norm", "rotary", "silu_mul")  # (Triton has no elementwise kernels)
-    ops = {name: getattr(kernels, f"{impl}_{name}", None) for name in names}
+    ops = {name: getattr(kernels, f"{impl}_{name}", None) for name in ("rms_norm", "rotary")}
+    ops["silu_mul"] = kernels.silu_mul if impl == "torch" else None  # the one implementation
     x, weight = torch.randn(300, 96).to(dtype), (1 + 0.1 * torch.randn(96)).to(dtype)
     counts = ROW_COUNTS if impl != "triton" else [1, 2, 5, 9, 33]  # the interpreter is slow
     assert_rows_invariant(lambda rows: ops["rms_norm"](rows, weight, 1e-6), x, counts)
@@ -232,7 +232,7 @@ def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
         lambda rows: ops["rms_norm"](rows, weight, 1e-6, rows.flip(1))[0], x, counts
     )
     cos_sin = torch.randn(300, 16).to(dtype)
-    if ops["rotary"] is not None:
+    if ops["rotary"] is not None:  # Triton has no elementwise kernels, C no silu_mul
         assert_rows_invariant(
             lambda rows: ops["rotary"](rows.view(-1, 6, 16), cos_sin[: len(rows)]), x, counts
         )

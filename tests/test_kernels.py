@@ -251,44 +251,33 @@ def test_c_attention_with_fp16_cache_equals_fp32_cache_of_its_values(batch, head
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, "fp16")],
     ids=["fp32", "bf16", "fp32-q-fp16-cache"],
 )
+@pytest.mark.parametrize("rotate", [True, False], ids=["rotary", "no-rotary"])
 @pytest.mark.parametrize("batch", ["mixed", "decode"])
-def test_c_attention_stores_this_steps_kv_like_store_kv(batch, dtype, cache_dtype):
-    """Given this step's K/V (strided rows, as the model's views of qkv are), the C call first does
-    store_kv's work: the caches afterwards, and the output, equal store_kv's then attending."""
+def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(batch, rotate, dtype, cache_dtype):
+    """Given this step's q and k heads side by side and its values (strided views of one qkv row,
+    as the model has them), the C call first rotates and stores: the caches afterwards, and the
+    output, equal c_rotary, store_kv, then attending."""
     if cache_dtype == "fp16" and not kernels.cpu_kernels().f16c:
         pytest.skip("an fp16 cache needs F16C (this build is generic)")
     q, k_cache, v_cache, scale, ctx = make_paged_batch(BATCHES[batch], 4, 6, 2, 64, dtype)
     k_cache, v_cache = (c.half() if cache_dtype == "fp16" else c for c in (k_cache, v_cache))
     num_tokens = len(q)
-    qkv = randn(num_tokens, 5 * 128, dtype=dtype)
-    k, v = (qkv[:, i : i + 128].view(num_tokens, 2, 64) for i in (3 * 128, 4 * 128))
+    qkv = randn(num_tokens, 11 * 64, dtype=dtype)  # 6 query, 2 key and 2 value heads, 1 spare
+    q_k, v = qkv[:, : 8 * 64].view(num_tokens, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(-1, 2, 64)
+    cos_sin = rope_cache(300, 64)[torch.randint(0, 300, (num_tokens,))].to(dtype)
+    cos_sin = cos_sin if rotate else None
     # this step's slots: the last q_len positions of each sequence
-    positions = [context - q_len + j for context, q_len in BATCHES[batch] for j in range(q_len)]
-    seq_of = [b for b, (_, q_len) in enumerate(BATCHES[batch]) for _ in range(q_len)]
-    tables = ctx.block_tables.long()
-    ctx.slot_mapping = torch.tensor(
-        [int(tables[b, p // 4]) * 4 + p % 4 for b, p in zip(seq_of, positions)]
-    )
+    tables, slots = ctx.block_tables.long(), []
+    for b, (context, q_len) in enumerate(BATCHES[batch]):
+        slots += [int(tables[b, p // 4]) * 4 + p % 4 for p in range(context - q_len, context)]
+    ctx.slot_mapping = torch.tensor(slots)
     want_k, want_v = k_cache.clone(), v_cache.clone()
+    q, k = (kernels.c_rotary(q_k, cos_sin) if rotate else q_k).split((6, 2), dim=1)
     kernels.store_kv(k, v, want_k, want_v, ctx.slot_mapping)
     want = kernels.c_paged_attention(q, want_k, want_v, scale, ctx)
-    got = kernels.c_paged_attention(q, k_cache, v_cache, scale, ctx, (k, v))
+    got = kernels.c_paged_attention(q_k, k_cache, v_cache, scale, ctx, (v, cos_sin))
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     assert torch.equal(got, want)
-
-
-@needs_c_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("rows", [0, 1, 7, 40])  # 40: split across threads
-def test_c_silu_mul_matches_torch(rows, dtype):
-    # gates from -100 to 100: e^-g overflows fp32 past 88, where silu is -0 (torch's too)
-    x = (10 * torch.randn(rows, 2 * 96)).to(dtype)
-    x[:, :3] = torch.tensor([-100.0, 100.0, 0.0]).to(dtype)
-    got, want = kernels.c_silu_mul(x), kernels.torch_silu_mul(x)
-    # bf16: the same two roundings as torch, of an fp32 silu within ulps of torch's
-    tolerance = dict(atol=0, rtol=2**-7) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got, want, **tolerance)
-    assert got.shape == (rows, 96) and torch.equal(kernels.silu_mul(x), got)  # the C kernel runs
 
 
 def test_kv_cache_dtype(monkeypatch):
