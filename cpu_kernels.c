@@ -25,20 +25,16 @@ typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 
-static inline float to_f32(bf16 h) {
-    union {
-        uint32_t u;
-        float f;
-    } v = {(uint32_t)h << 16};
-    return v.f;
-}
+typedef union {  // an fp32's bits
+    float f;
+    uint32_t u;
+} bits32;
+
+static inline float to_f32(bf16 h) { return (bits32){.u = (uint32_t)h << 16}.f; }
 
 static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
-    union {
-        float f;
-        uint32_t u;
-    } v = {f};
-    return (bf16)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);
+    uint32_t u = (bits32){.f = f}.u;
+    return (bf16)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 // LANES values of type 0 (fp32), 1 (bf16: a shift) or 2 (fp16: F16C's vcvtph2ps, every build but
@@ -82,12 +78,9 @@ static inline float hsum(vf v) {
 }
 
 static inline float hmax(vf v) {  // a max is exact in any order
-    for (int width = LANES / 2; width > 0; width /= 2) {
-        vf other = __builtin_shuffle(v, iota() + width);
-        vi larger = v > other;
-        v = (vf)(((vi)v & larger) | ((vi)other & ~larger));
-    }
-    return v[0];
+    float max = v[0];
+    for (int i = 1; i < LANES; i++) max = v[i] > max ? v[i] : max;
+    return max;
 }
 
 // -----------------------------------------------------------------------------------------------
@@ -416,11 +409,11 @@ static inline vf sum_lanes(vf v[LANES]) {
 }
 
 static inline __attribute__((always_inline)) void
-attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out,
-       int t0, int num_queries, int kv_head, int num_keys, int num_heads, int group, int block_size,
-       int64_t slot_stride, float scale, const int64_t *remap, int remap_from, int64_t q_stride,
-       const int chunks, const int is_bf16,
-       const int kv_type) {  // query t0 + i sees keys 0..num_keys + i - 1
+attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table,
+       float *partial, int t0, int num_queries, int kv_head, int num_keys, int num_heads, int group,
+       int block_size, int64_t slot_stride, float scale, const int64_t *remap, int remap_from,
+       int64_t q_stride, int segment, int segments, int segment_keys, const int chunks,
+       const int is_bf16, const int kv_type) {  // query t0 + i sees keys 0..num_keys + i - 1
     int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4, pairs = num_queries * group;
     int kv_elem = kv_type ? 2 : 4;
     int all_keys = num_keys + num_queries - 1;
@@ -436,7 +429,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         }
         max_score[i] = -INFINITY, total[i] = 0.0f;
     }
-    for (int l0 = 0; l0 < all_keys; l0 += LANES) {
+    for (int l0 = segment * segment_keys; l0 < all_keys && l0 < (segment + 1) * segment_keys;
+         l0 += LANES) {
         // A chunk within one block (no tree path in it) has consecutive slots: one table lookup.
         int one_block = block_size % LANES == 0 && !(remap && l0 + LANES > remap_from);
         int64_t first_slot = table[l0 / block_size] * block_size + l0 % block_size;
@@ -501,11 +495,11 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
                 for (int c = 0; c < chunks; c++) acc[i][c] += p[i][j] * values[j][c];
         }
     }
-    for (int i = 0; i < pairs; i++) {
+    for (int i = 0; i < pairs; i++) {  // this segment's sums, in fp32
         int64_t head = (int64_t)(t0 + i / group) * num_heads + kv_head * group + i % group;
-        for (int c = 0; c < chunks; c++)
-            store_vf((char *)out + (head * head_dim + c * LANES) * elem, acc[i][c] / total[i],
-                     is_bf16);
+        float *at = partial + (head * segments + segment) * (head_dim + 2);
+        at[0] = max_score[i], at[1] = total[i];
+        __builtin_memcpy(at + 2, acc[i], head_dim * 4);
     }
 }
 
@@ -515,7 +509,7 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
                      int block_size, float scale, int is_bf16, int kv_type, int threads,
                      const int64_t *tree_pos, const int64_t *tree_keys, int tree_width,
                      int64_t q_stride, const void *v, int64_t v_stride, const void *cos_sin,
-                     void *rotated, const int64_t *slot_mapping) {
+                     void *rotated, const int64_t *slot_mapping, float *partial, int segment_keys) {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
     // With this step's v [T, Hkv, D] (row stride v_stride; q's dtype), q holds its keys too, after
@@ -539,39 +533,56 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
     // 10% faster than with two items a thread, session 15).
     int block = tree_pos ? 1 : QUERY_BLOCK;
     while (block > 1 && num_tokens * num_kv_heads / block < threads) block /= 2;
-// Items start at every token; all but each block's first query return at once.
-#pragma omp parallel for schedule(dynamic, 1)                                                      \
-    num_threads(threads) if (num_tokens * num_kv_heads > 1)
-    for (int64_t item = 0; item < (int64_t)num_tokens * num_kv_heads; item++) {
-        int t = (int)(item / num_kv_heads), kv_head = (int)(item % num_kv_heads), b = 0;
+    int segments = (max_blocks * block_size + segment_keys - 1) / segment_keys;  // at most
+    int64_t items = (int64_t)num_tokens * num_kv_heads * segments;
+// Items start at every token and segment; all but each block's first query return at once.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (items > 1)
+    for (int64_t item = 0; item < items; item++) {
+        int t = (int)(item / segments / num_kv_heads), segment = (int)(item % segments), b = 0;
+        int kv_head = (int)(item / segments % num_kv_heads);
         while (query_start_loc[b + 1] <= t) b++;
         int first = (int)query_start_loc[b], q_len = (int)(query_start_loc[b + 1] - first);
-        if ((t - first) % block) continue;
         int num_queries = q_len - (t - first) < block ? q_len - (t - first) : block;
         int num_keys = (int)seq_lens[b] - q_len + (t - first) + 1;  // keys 0..position
         if (tree_pos) num_keys = (int)tree_pos[t] + 1;
+        if ((t - first) % block || segment * segment_keys >= num_keys + num_queries - 1) continue;
         const int64_t *remap = tree_pos ? tree_keys + (int64_t)t * tree_width : 0;
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
 #define ATTEND(CHUNKS, BF16, KV)                                                                   \
-    attend(q, k_cache, v_cache, table, out, t, num_queries, kv_head, num_keys, num_heads, group,   \
-           block_size, slot_stride, scale, remap, num_keys - tree_width, q_stride, CHUNKS, BF16,   \
-           KV)
+    attend(q, k_cache, v_cache, table, partial, t, num_queries, kv_head, num_keys, num_heads,      \
+           group, block_size, slot_stride, scale, remap, num_keys - tree_width, q_stride, segment, \
+           segments, segment_keys, CHUNKS, BF16, KV)
 // (q, K/V) in bf16 and bf16, fp32 and fp32, or fp32 and fp16 (kernels.c_paged_attention)
 #define ATTEND_TYPES(CHUNKS)                                                                       \
-    {                                                                                              \
-        if (is_bf16)                                                                               \
-            ATTEND(CHUNKS, 1, 1);                                                                  \
-        else if (kv_type == 2)                                                                     \
-            ATTEND(CHUNKS, 0, 2);                                                                  \
-        else                                                                                       \
-            ATTEND(CHUNKS, 0, 0);                                                                  \
-    }
+    (is_bf16 ? ATTEND(CHUNKS, 1, 1) : kv_type == 2 ? ATTEND(CHUNKS, 0, 2) : ATTEND(CHUNKS, 0, 0))
         // the common shapes get constant loop bounds and types
         if (head_dim == 64)
-            ATTEND_TYPES(64 / LANES)
+            ATTEND_TYPES(64 / LANES);
         else if (head_dim == 128)
-            ATTEND_TYPES(128 / LANES)
+            ATTEND_TYPES(128 / LANES);
         else
             ATTEND(head_dim / LANES, is_bf16, kv_type);
+    }
+    // Each query head's segments merged in order, from the first: the same arithmetic whichever
+    // items computed them (one segment: out = acc / total, as with no segments at all).
+#pragma omp parallel for num_threads(threads) if (num_tokens > 16)
+    for (int64_t head = 0; head < (int64_t)num_tokens * num_heads; head++) {
+        int t = (int)(head / num_heads), b = 0;
+        while (query_start_loc[b + 1] <= t) b++;
+        int num_keys =
+            tree_pos ? (int)tree_pos[t] + 1 : (int)(seq_lens[b] - query_start_loc[b + 1]) + t + 1;
+        const float *part = partial + head * segments * (head_dim + 2);
+        float max_score = -INFINITY, total = 0.0f;
+        vf acc[MAX_DIM / LANES] = {};
+        for (int s = 0; s * segment_keys < num_keys; s++, part += head_dim + 2) {
+            float new_max = fmaxf(max_score, part[0]);
+            float old_weight = expf(max_score - new_max), weight = expf(part[0] - new_max);
+            total = total * old_weight + part[1] * weight, max_score = new_max;
+            for (int c = 0; c < head_dim / LANES; c++)
+                acc[c] = acc[c] * old_weight + load_vf(part + 2 + c * LANES, 0) * weight;
+        }
+        for (int c = 0; c < head_dim / LANES; c++)
+            store_vf((char *)out + (head * head_dim + c * LANES) * (is_bf16 ? 2 : 4),
+                     acc[c] / total, is_bf16);
     }
 }

@@ -164,6 +164,7 @@ def cpu_kernels():
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
     lib.paged_attention.argtypes += [i64, ptr, i64, ptr, ptr, ptr]  # rotary's and store_kv's
+    lib.paged_attention.argtypes += [ptr, i32]  # per-segment sums
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32, i32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64, i32]
     return lib
@@ -340,9 +341,7 @@ def c_linear(x, packed, bias, out_features):
     out = torch.empty(num_rows, out_features, dtype=x.dtype)
     # Prefill's K-blocks need per-thread room: bf16 weights widened once per block, partial sums.
     blocked = w_type and not dot and num_rows > 6
-    scratch = (
-        linear_scratch(threads * (128 * 32 * 4 + num_rows * 64)).data_ptr() if blocked else None
-    )
+    scratch = cpu_scratch(threads * (128 * 32 * 4 + num_rows * 64)).data_ptr() if blocked else None
     bias = None if bias is None else bias.data_ptr()
     dtypes = (dot, w_type, x.dtype == torch.bfloat16)
     args = (rows.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), num_rows, out_features)
@@ -353,8 +352,9 @@ def c_linear(x, packed, bias, out_features):
 _scratch = torch.empty(0)
 
 
-def linear_scratch(floats: int) -> torch.Tensor:
-    """One buffer reused by every prefill linear (a fresh one each call would cost page faults)."""
+def cpu_scratch(floats: int) -> torch.Tensor:
+    """One buffer reused by every C call that needs room: prefill linears, attention's segments (a
+    fresh one each call would cost page faults). Calls never overlap."""
     global _scratch
     if _scratch.numel() < floats:
         _scratch = torch.empty(floats)
@@ -414,7 +414,7 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, new_kv=
     )
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1] - (num_kv_heads if new_kv else 0)
-    out = q.new_empty(len(q), num_heads, head_dim)
+    out = torch.empty(len(q), num_heads, head_dim, dtype=q.dtype)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     tree, tree_args = (), (None, None, 0)
     if ctx.tree_pos is not None:  # (tree holds the tensors while the kernel runs)
@@ -434,8 +434,17 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, new_kv=
         )
         pointers = [None if t is None else t.data_ptr() for t in (cos_sin, rotated)]
         new_args = (v.data_ptr(), v.stride(0), *pointers, ctx.slot_mapping.data_ptr())
-    cpu_kernels().paged_attention(*args, *tree_args, q.stride(0), *new_args)
+    # Keys in segments of ATTENTION_SEGMENT positions, each summed on its own, then merged in
+    # order: a decode step's few queries still make an item for every thread (cpu_kernels.c).
+    segments = -(-tables.shape[1] * block_size // ATTENTION_SEGMENT)
+    partial = cpu_scratch(len(q) * num_heads * segments * (head_dim + 2)).data_ptr()
+    cpu_kernels().paged_attention(
+        *args, *tree_args, q.stride(0), *new_args, partial, ATTENTION_SEGMENT
+    )
     return out
+
+
+ATTENTION_SEGMENT = 512  # keys; a multiple of every build's LANES
 
 
 def torch_rms_norm(x, weight, eps, residual=None):

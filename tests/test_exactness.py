@@ -120,31 +120,34 @@ def test_use_linears_packs_a_shared_weight_once():
 
 
 # A query at a given position: decoded alone, verified among 5, in a prefill chunk of 20, in a whole
-# prompt. Sequence 0 is always the one whose last query sits at position 44 (context 45).
-ATTENTION_STEPS = {
-    "decode": [(45, 1)],
-    "verify": [(45, 5), (30, 5)],
-    "chunk": [(45, 20), (12, 1)],
-    "prompt": [(45, 45), (60, 3), (8, 8)],
-}
+# prompt. Sequence 0 is always the one whose last query sits at position `context` - 1 (44; and
+# 1100, past two of the C kernel's segments of keys, ATTENTION_SEGMENT).
+def attention_steps(context):
+    return {
+        "decode": [(context, 1)],
+        "verify": [(context, 5), (30, 5)],
+        "chunk": [(context, 20), (12, 1)],
+        "prompt": [(context, context), (60, 3), (8, 8)],
+    }
 
 
-def attention_of_position_44(fn, dtype, block_size):
-    """The output row of the query at position 44 of one fixed sequence, in each kind of step."""
+def attention_of_position(fn, dtype, block_size, context=45):
+    """The output row of the query at position context - 1 of one fixed sequence, in each kind of
+    step."""
     torch.manual_seed(7)  # the same cache, tables and query rows in every step
     base = make_paged_batch(
-        [(45, 45), (60, 60), (30, 30), (12, 12), (8, 8)], block_size, 6, 2, 16, dtype
+        [(context, context), (60, 60), (30, 30), (12, 12), (8, 8)], block_size, 6, 2, 16, dtype
     )
     q_all, k_cache, v_cache, _, base_ctx = base
     block_tables = base_ctx.block_tables
     rows = {}
-    for name, seqs in ATTENTION_STEPS.items():
+    for name, seqs in attention_steps(context).items():
         index = {"decode": [0], "verify": [0, 2], "chunk": [0, 3], "prompt": [0, 1, 4]}[name]
         q_lens = torch.tensor([q_len for _, q_len in seqs])
         seq_lens = torch.tensor([context for context, _ in seqs])
         starts = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
         # query j of step sequence b is the query row its position has in the whole-prompt layout
-        offsets = [0, 45, 105, 135, 147]
+        offsets = [0, context, context + 60, context + 90, context + 102]
         q = torch.cat(
             [
                 q_all[offsets[s] + context - q_len : offsets[s] + context]
@@ -159,10 +162,10 @@ def attention_of_position_44(fn, dtype, block_size):
     return rows
 
 
-def check_attention(fn, dtype, block_size):
-    rows = attention_of_position_44(fn, dtype, block_size)
+def check_attention(fn, dtype, block_size, context=45):
+    rows = attention_of_position(fn, dtype, block_size, context)
     for name, row in rows.items():
-        assert torch.equal(row, rows["decode"]), f"position 44 differs between decode and {name}"
+        assert torch.equal(row, rows["decode"]), f"the query differs between decode and {name}"
 
 
 def c_attention_fp16_cache(q, k_cache, v_cache, scale, ctx):
@@ -180,9 +183,11 @@ def c_attention_fp16_cache(q, k_cache, v_cache, scale, ctx):
     ids=["fp32", "bf16", "fp32-fp16-cache"],
 )
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_c_attention_query_is_invariant(c_isa, dtype, fn, block_size):
+@pytest.mark.parametrize("context", [45, 1101])
+def test_c_attention_query_is_invariant(c_isa, dtype, fn, block_size, context):
     """Also across thread counts: the kernel splits a few queries into smaller blocks for more
-    threads."""
+    threads, and sums each segment of keys apart (a decode step's segments in items of their
+    own)."""
     if fn is c_attention_fp16_cache and c_isa == "generic":
         pytest.skip("fp16 caches need F16C (the generic build has none)")
     threads = torch.get_num_threads()
@@ -190,8 +195,8 @@ def test_c_attention_query_is_invariant(c_isa, dtype, fn, block_size):
         rows = []
         for n in (1, 2, 8):
             torch.set_num_threads(n)
-            check_attention(fn, dtype, block_size)
-            rows.append(attention_of_position_44(fn, dtype, block_size)["verify"])
+            check_attention(fn, dtype, block_size, context)
+            rows.append(attention_of_position(fn, dtype, block_size, context)["verify"])
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(row, rows[0]) for row in rows)

@@ -230,6 +230,18 @@ def test_c_paged_attention_matches_torch(
 
 
 @needs_c_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_c_paged_attention_merges_segments_of_keys(dtype):
+    """Past ATTENTION_SEGMENT keys a query's keys are summed in segments, then merged: decode,
+    verification and a chunk at 1-3 segments still match the reference."""
+    seqs = [(1100, 1), (1030, 9), (600, 3), (kernels.ATTENTION_SEGMENT + 1, 2)]
+    args = make_paged_batch(seqs, 16, 9, 3, 64, dtype)
+    with nan_filled_outputs():
+        got = kernels.c_paged_attention(*args)
+    torch.testing.assert_close(got, kernels.torch_paged_attention(*args), **TOLERANCE[dtype])
+
+
+@needs_c_kernels
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("head_dim", [64, 48])  # a constant-shape instance, the general one
 def test_c_attention_with_fp16_cache_equals_fp32_cache_of_its_values(batch, head_dim):
