@@ -362,11 +362,14 @@ void rotary(const void *x, const void *cos_sin, void *out, int tokens, int heads
 // -----------------------------------------------------------------------------------------------
 // Paged attention for packed queries q [T, Hq, D] (rows at stride q_stride) over caches
 // [num_blocks, block_size, Hkv, D]: the contract of torch_paged_attention, for prefill chunks,
-// decode and verification alike. A work item is up to QUERY_BLOCK consecutive queries of one
-// sequence and one KV head with its group of query heads. It reads keys 0..position from the cache
-// in chunks of LANES keys from position 0, widening each chunk once for all its queries and heads;
-// each (query, head) then runs its own online softmax over the chunks it sees: the same arithmetic
-// for a query at a given position whatever the step or block around it. D must be a multiple of 16.
+// decode and verification alike. Keys 0..position are summed in segments of segment_keys
+// positions (from 0), each on its own, then merged in order. A work item is one segment for up to
+// QUERY_BLOCK consecutive queries of one sequence and one KV head with its group of query heads. It
+// reads the segment's keys from the cache in chunks of LANES, widening each chunk once for all its
+// queries and heads; each (query, head) then runs its own online softmax over the chunks it sees,
+// into `partial`: the same arithmetic for a query at a given position whatever the step, block or
+// item around it (and a decode step's few queries still give every thread work). D must be a
+// multiple of 16.
 // A tree node (tree_pos set, one query per item) reads logical keys 0..tree_pos[t], the last
 // tree_width of them from the physical positions in its tree_keys row. q and out are fp32 or bf16;
 // the caches are q's dtype, or fp16 under fp32 queries (--dtype auto without a bf16 dot product:
