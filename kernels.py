@@ -260,6 +260,10 @@ class Linear(nn.Module):
     def forward(self, x):
         return linear(x, self)
 
+    # Called ~120 times a decode step: straight to forward, past nn.Module's hook dispatch (nanospec
+    # registers no hooks; with RMSNorm's the same, 0.2 ms of a 14 ms avx2 step, session 15).
+    __call__ = forward
+
 
 def pack_weight(weight: torch.Tensor, storage: torch.dtype | None = None) -> torch.Tensor:
     """[N, K] -> panels of 16 output columns (N zero-padded to a multiple of 16), k in pairs (K
