@@ -79,6 +79,8 @@ class Attention(nn.Module):
         out = attention(q_k, v, cos_sin, self.k_cache, self.v_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    __call__ = forward  # past nn.Module's hook dispatch, as kernels.Linear
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool):
@@ -88,6 +90,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+    __call__ = forward  # past nn.Module's hook dispatch, as kernels.Linear
 
 
 class DecoderLayer(nn.Module):
@@ -109,6 +113,8 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, cos_sin)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    __call__ = forward  # past nn.Module's hook dispatch, as kernels.Linear
 
 
 class LlamaForCausalLM(nn.Module):
