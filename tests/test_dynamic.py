@@ -17,14 +17,18 @@ def test_interpolate():
     assert interpolate(table, 6) == 4.0 and interpolate(table, 16) == 12.0
 
 
-def test_acceptance_estimate_is_per_request_and_cautious():
+def test_acceptance_estimate_is_per_request_cautious_first_and_hopeful_deeper():
     seq = Sequence([1, 2, 3], SamplingParams(), "cpu")
-    assert acceptance_estimate(seq, 3) == pytest.approx([1 / 3] * 3)  # nothing seen yet: the prior
+    # Nothing seen yet: 1/3 for the first draft, then each prior halfway from the one before to 1.
+    assert acceptance_estimate(seq, 3) == pytest.approx([1 / 3, 2 / 3, 5 / 6])
     seq.reached_per_position.update([0, 0, 0, 0, 1])  # four steps reached position 0, one reached 1
     seq.accepted_per_position.update([0, 0, 0, 0])  # all four accepted it; position 1 failed
     a0 = (4 + 1) / (4 + 3)
-    # 2 inherits from 1
-    assert acceptance_estimate(seq, 3) == pytest.approx([a0, 3 * a0 / 4, 3 * a0 / 4])
+    a1 = (0 + 3 * (1 + a0) / 2) / (1 + 3)  # one failure pulls its prior down
+    # Position 2, never reached, is worth more than position 1: given positions 0 and 1 matched,
+    # a third match is likelier (a request stuck at K = 2 would otherwise never try deeper).
+    assert acceptance_estimate(seq, 3) == pytest.approx([a0, a1, (1 + a1) / 2])
+    assert acceptance_estimate(seq, 3)[2] > acceptance_estimate(seq, 3)[1]
 
 
 def test_chooser_turns_speculation_off_when_verification_is_expensive():

@@ -89,12 +89,14 @@ def test_repeated_requests_accept_more_than_ngram(target):  # noqa: F811
     assert lengths["suffix"] >= 1.5 * lengths["ngram"]
 
 
+# Auto K's cases get a node budget above its largest K (8): with verification made cheap it
+# drafts 8 deep, and a budget of 8 or less would then be a single chain.
 CASES = {
     "suffix chain": ("suffix", 3, 0),
     "suffix tree": ("suffix", 3, 6),
     "ngram tree": ("ngram", 3, 6),
-    "suffix tree auto": ("suffix", "auto", 6),
-    "ngram tree auto": ("ngram", "auto", 6),
+    "suffix tree auto": ("suffix", "auto", 12),
+    "ngram tree auto": ("ngram", "auto", 12),
 }
 
 
