@@ -10,6 +10,13 @@
 #if defined(__AVX512BF16__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+// Compiled without GCC's partial redundancy elimination: with it, GCC hoists the second k of a
+// linear's pair of k above the first k's FMAs, runs out of AVX2's 16 vector registers and keeps
+// accumulators on the stack (a store and a reload in every FMA chain): the 6-row tile ran at half
+// the FMA rate of the 4-row one. Without it the 120 linears at 6 rows took 8.5 ms instead of 10.2
+// on avx2, at 18 rows 21.1 instead of 28.6; AVX-512's 32 registers never spilled, and the other
+// kernels ran as fast as before (BENCHMARKS.md, session 16). Other compilers ignore the pragma.
+#pragma GCC optimize("no-tree-pre")
 
 typedef uint16_t bf16;  // raw bfloat16 bits: the top half of an fp32
 // One vector register of floats: 16 with AVX-512, 8 with AVX2, 4 otherwise (SSE, NEON).
@@ -105,13 +112,6 @@ static inline float hmax(vf v) {  // a max is exact in any order
 // the loop does not do: every shape and dtype is a compile-time constant (no flag tests, no spilled
 // row pointers), and x is fp32 before the call, so a broadcast is one load. `bench.py kernels`
 // counts the instructions per FMA of the inner loops.
-// Compiled without GCC's partial redundancy elimination: with it, GCC hoists the second k of a
-// pair's loads above the first's FMAs, runs out of AVX2's 16 registers and keeps accumulators on
-// the stack (a store and a reload in every FMA chain): the 6-row tile ran at half the FMA rate of
-// the 4-row one. Without it the 120 linears at 6 rows took 8.5 ms instead of 10.2, at 18 rows 21.1
-// instead of 28.6 (BENCHMARKS.md, session 16). Other compilers ignore the pragma.
-#pragma GCC push_options
-#pragma GCC optimize("no-tree-pre")
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
 #if LANES == 16
@@ -299,8 +299,6 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
             linear_panels(x, w, bias, y, M, N, K2, first, last, own, 0, 0, y_bf16);
     }
 }
-
-#pragma GCC pop_options
 
 // -----------------------------------------------------------------------------------------------
 // RMSNorm and rotary, fp32 or bf16: torch runs each as a chain of small ops (a dozen calls of ~1 us
