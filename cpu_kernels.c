@@ -125,8 +125,11 @@ static inline float hmax(vf v) {  // a max is exact in any order
 #define MAX_ROWS 2
 #endif
 // The most panels a tile of R rows takes: up to 4 (64 columns), so that even one row has enough
-// independent chains to hide the FMA latency.
-#define PANELS_FOR(R) (MAX_ACC / ((R)*PV) < 4 ? MAX_ACC / ((R)*PV) : 4)
+// independent chains to hide the FMA latency. AVX2 gives 2 and 3 rows fewer than its 12
+// accumulators: with 3 panels' weights and a broadcast live too, GCC kept accumulators on the
+// stack, and 3 rows ran slower than 4 (BENCHMARKS.md, session 16).
+#define PANELS_FOR(R)                                                                              \
+    (LANES == 8 && (R) > 1 ? 1 + ((R) == 2) : MAX_ACC / ((R)*PV) < 4 ? MAX_ACC / ((R)*PV) : 4)
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
 // on AVX2, session 10).
@@ -207,11 +210,11 @@ tile(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int64_t kp
         store_tile(acc, bias, y, m0, p0, N, R, P, y_bf16);
 }
 
-// Every (rows, panels) shape a call can need, each compiled as its own instance; shapes whose
-// accumulators would not fit in registers are never called (linear picks P <= PANELS_FOR(R)).
+// Every (rows, panels) shape a call can need, each compiled as its own instance: linear_panels
+// picks P <= PANELS_FOR(R) (non-increasing in R), and no other shape is compiled.
 #define SHAPE(R, P)                                                                                \
     case R * 8 + P:                                                                                \
-        if (R * P * PV <= MAX_ACC)                                                                 \
+        if (P <= PANELS_FOR(R))                                                                    \
             tile(x, w0, panel_bytes, kp0, kps, partial, bias, y, m0, p0, N, K2, R, P, wt, dot,     \
                  y_bf16);                                                                          \
         break;

@@ -13,7 +13,7 @@ from test_kernels import make_paged_batch
 
 import kernels
 
-ROW_COUNTS = [1, 2, 5, 9, 33, 300]
+ROW_COUNTS = [1, 2, 3, 5, 9, 33, 300]
 ISAS = ["avx512bf16", "avx512", "avx2", "generic"]
 
 
