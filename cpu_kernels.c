@@ -516,6 +516,14 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     }
 }
 
+// Which sequence (*b) query t belongs to, and how many keys it sees: positions 0..its own (a tree
+// node: 0..tree_pos[t]). Both of paged_attention's loops ask.
+static inline int keys_seen(int t, const int64_t *query_start_loc, const int64_t *seq_lens,
+                            const int64_t *tree_pos, int *b) {
+    for (*b = 0; query_start_loc[*b + 1] <= t;) ++*b;
+    return tree_pos ? (int)tree_pos[t] + 1 : (int)(seq_lens[*b] - query_start_loc[*b + 1]) + t + 1;
+}
+
 void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t *block_tables,
                      const int64_t *seq_lens, const int64_t *query_start_loc, void *out,
                      int num_seqs, int max_blocks, int num_heads, int num_kv_heads, int head_dim,
@@ -551,13 +559,11 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
 // Items start at every token and segment; all but each block's first query return at once.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (items > 1)
     for (int64_t item = 0; item < items; item++) {
-        int t = (int)(item / segments / num_kv_heads), segment = (int)(item % segments), b = 0;
+        int t = (int)(item / segments / num_kv_heads), segment = (int)(item % segments), b;
         int kv_head = (int)(item / segments % num_kv_heads);
-        while (query_start_loc[b + 1] <= t) b++;
+        int num_keys = keys_seen(t, query_start_loc, seq_lens, tree_pos, &b);
         int first = (int)query_start_loc[b], q_len = (int)(query_start_loc[b + 1] - first);
         int num_queries = q_len - (t - first) < block ? q_len - (t - first) : block;
-        int num_keys = (int)seq_lens[b] - q_len + (t - first) + 1;  // keys 0..position
-        if (tree_pos) num_keys = (int)tree_pos[t] + 1;
         if ((t - first) % block || segment * segment_keys >= num_keys + num_queries - 1) continue;
         const int64_t *remap = tree_pos ? tree_keys + (int64_t)t * tree_width : 0;
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
@@ -580,10 +586,8 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
     // items computed them (one segment: out = acc / total, as with no segments at all).
 #pragma omp parallel for num_threads(threads) if (num_tokens > 16)
     for (int64_t head = 0; head < (int64_t)num_tokens * num_heads; head++) {
-        int t = (int)(head / num_heads), b = 0;
-        while (query_start_loc[b + 1] <= t) b++;
-        int num_keys =
-            tree_pos ? (int)tree_pos[t] + 1 : (int)(seq_lens[b] - query_start_loc[b + 1]) + t + 1;
+        int t = (int)(head / num_heads), b;
+        int num_keys = keys_seen(t, query_start_loc, seq_lens, tree_pos, &b);
         const float *part = partial + head * segments * (head_dim + 2);
         float max_score = -INFINITY, total = 0.0f;
         vf acc[MAX_DIM / LANES] = {};
