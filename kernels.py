@@ -164,7 +164,7 @@ def cpu_kernels():
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
     lib.paged_attention.argtypes += [i64, ptr, i64, ptr, ptr, ptr]  # rotary's and store_kv's
-    lib.paged_attention.argtypes += [ptr, i32]  # per-segment sums
+    lib.paged_attention.argtypes += [ptr, i32, i64, i64, i64]  # per-segment sums; cache strides
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32, i32]
     lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64, i32]
     return lib
@@ -369,11 +369,13 @@ def cpu_scratch(floats: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Paged attention, store_kv, norms, rotary, activations: torch references and C kernels.
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    """k, v: [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots, rounded to
-    the cache's dtype (kv_cache_dtype). A pure copy, so one implementation (torch's scatter)
-    serves every device."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """k, v: [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] (any strides: the engine's
+    are views of head-major storage, paged_kv.allocate_kv_cache) at flat slots, rounded to the
+    cache's dtype (kv_cache_dtype). A pure copy, so one implementation (torch's scatter) serves
+    every device."""
+    blocks, offsets = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
 
 def torch_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
@@ -387,12 +389,9 @@ def torch_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     starts = ctx.query_start_loc.tolist()
     for b, seq_len in enumerate(ctx.seq_lens.tolist()):
         positions = torch.arange(seq_len, device=q.device)
-        slots = (
-            ctx.block_tables[b, positions // block_size].long() * block_size
-            + positions % block_size
-        )
-        keys = k_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        values = v_cache.flatten(0, 1)[slots].float().repeat_interleave(group, dim=1)
+        slots = (ctx.block_tables[b, positions // block_size].long(), positions % block_size)
+        keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = v_cache[slots].float().repeat_interleave(group, dim=1)
         for t in range(starts[b], starts[b + 1]):
             # keys 0..position
             order = torch.arange(seq_len - (starts[b + 1] - t) + 1, device=q.device)
@@ -420,7 +419,7 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, new_kv=
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1] - (num_kv_heads if new_kv else 0)
     out = torch.empty(len(q), num_heads, head_dim, dtype=q.dtype)
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     tree, tree_args = (), (None, None, 0)
     if ctx.tree_pos is not None:  # (tree holds the tensors while the kernel runs)
         tree = [t.long().contiguous() for t in (ctx.tree_pos, ctx.tree_keys)]
@@ -444,7 +443,7 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, new_kv=
     segments = -(-tables.shape[1] * block_size // ATTENTION_SEGMENT)
     partial = cpu_scratch(len(q) * num_heads * segments * (head_dim + 2)).data_ptr()
     cpu_kernels().paged_attention(
-        *args, *tree_args, q.stride(0), *new_args, partial, ATTENTION_SEGMENT
+        *args, *tree_args, q.stride(0), *new_args, partial, ATTENTION_SEGMENT, *k_cache.stride()[:3]
     )
     return out
 

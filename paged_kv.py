@@ -159,10 +159,14 @@ def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) -> torch.Tensor:
     """Allocate one model's cache, [2 (K and V), layers, num_blocks, block_size, num_kv_heads,
-    head_dim], and hand each attention layer its K and V views."""
+    head_dim], and hand each attention layer its K and V views. Stored head-major within a block
+    ([..., num_kv_heads, block_size, head_dim], seen through a transposed view): an attention
+    item reads one KV head, and its keys then sit side by side (a block's 16 keys of 64 fp16 dims:
+    2 KB in a row) rather than 128 bytes at a stride of all the heads. Measured on avx2: decode
+    attention at 2,000 tokens ~25% faster, the same bits (session 17)."""
     layers = attention_layers(model)
-    shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    cache = torch.zeros(shape, dtype=dtype, device=device)
+    shape = (2, len(layers), num_blocks, layers[0].num_kv_heads, block_size, layers[0].head_dim)
+    cache = torch.zeros(shape, dtype=dtype, device=device).transpose(3, 4)
     for i, attn in enumerate(layers):
         attn.k_cache, attn.v_cache = cache[0, i], cache[1, i]
     return cache
@@ -171,7 +175,10 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) ->
 def move_kv(caches: list[torch.Tensor], blocks: BlockManager, seq, sources, destinations):
     """Copy K/V between positions of seq in every cache ([2, layers, blocks, block_size, heads,
     dim]): an accepted tree path off the first branch moves to the positions its tokens hold."""
-    src, dst = ([blocks.slot(seq, p) for p in positions] for positions in (sources, destinations))
-    for cache in caches:
-        by_slot = cache.flatten(2, 3)
-        by_slot[:, :, dst] = by_slot[:, :, src]
+    src, dst = (
+        torch.tensor([blocks.slot(seq, p) for p in positions])
+        for positions in (sources, destinations)
+    )
+    size = blocks.block_size
+    for cache in caches:  # (indexing by block and offset: caches are transposed views)
+        cache[:, :, dst // size, dst % size] = cache[:, :, src // size, src % size]

@@ -84,14 +84,23 @@ def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
 # --------------------------------------------------------------------------------------------
 # store_kv
 # --------------------------------------------------------------------------------------------
+def head_major(cache):
+    """The same logical cache [blocks, block_size, heads, D], stored as the engine stores it:
+    [blocks, heads, block_size, D] (paged_kv.allocate_kv_cache), seen through a transposed view."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["slot-major", "head-major"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_store_kv(block_size):
+def test_store_kv(block_size, layout):
     """Slot s is offset s % block_size of block s // block_size; every other slot keeps its
     value."""
     num_tokens, num_blocks, num_kv_heads, head_dim = 9, 12, 2, 16
     _, k, v = qkv_views(num_tokens, 1, num_kv_heads, head_dim, torch.float32)
     slot_mapping = torch.randperm(num_blocks * block_size)[:num_tokens]
     k_cache, v_cache = (randn(num_blocks, block_size, num_kv_heads, head_dim) for _ in range(2))
+    if layout == "head-major":
+        k_cache, v_cache = head_major(k_cache), head_major(v_cache)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     for token, slot in enumerate(slot_mapping.tolist()):
         want_k[slot // block_size, slot % block_size] = k[token]
@@ -290,6 +299,33 @@ def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(batch, rotate, 
     got = kernels.c_paged_attention(q_k, k_cache, v_cache, scale, ctx, (v, cos_sin))
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     assert torch.equal(got, want)
+
+
+@needs_c_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_c_attention_reads_and_writes_a_head_major_cache_by_its_strides(batch, dtype):
+    """The engine's caches are transposed views of head-major storage: the C call (rotate, store,
+    attend) on one gives the output and the cache values it gives on a slot-major cache, bit for
+    bit; and the torch reference reads it too."""
+    q, k_cache, v_cache, scale, ctx = make_paged_batch(BATCHES[batch], 4, 6, 2, 64, dtype)
+    num_tokens = len(q)
+    qkv = randn(num_tokens, 10 * 64, dtype=dtype)
+    q_k, v = qkv[:, : 8 * 64].view(num_tokens, 8, 64), qkv[:, 8 * 64 :].view(-1, 2, 64)
+    cos_sin = rope_cache(300, 64)[torch.randint(0, 300, (num_tokens,))].to(dtype)
+    tables, slots = ctx.block_tables.long(), []
+    for b, (context, q_len) in enumerate(BATCHES[batch]):
+        slots += [int(tables[b, p // 4]) * 4 + p % 4 for p in range(context - q_len, context)]
+    ctx.slot_mapping = torch.tensor(slots)
+    k_head, v_head = head_major(k_cache), head_major(v_cache)
+    assert k_head.stride() != k_cache.stride()
+    want = kernels.c_paged_attention(q_k, k_cache, v_cache, scale, ctx, (v, cos_sin))
+    got = kernels.c_paged_attention(q_k, k_head, v_head, scale, ctx, (v, cos_sin))
+    assert torch.equal(got, want)
+    assert torch.equal(k_head, k_cache) and torch.equal(v_head, v_cache)
+    q = kernels.c_rotary(q_k, cos_sin)[:, :6]
+    reference = kernels.torch_paged_attention(q, k_head, v_head, scale, ctx)
+    assert torch.equal(reference, kernels.torch_paged_attention(q, k_cache, v_cache, scale, ctx))
 
 
 def test_kv_cache_dtype(monkeypatch):
