@@ -344,9 +344,13 @@ def c_linear(x, packed, bias, out_features):
         rows = rows.contiguous()
     num_rows, threads = rows.shape[0], torch.get_num_threads()
     out = torch.empty(num_rows, out_features, dtype=x.dtype)
-    # Prefill's K-blocks need per-thread room: bf16 weights widened once per block, partial sums.
+    # Room for x interleaved by row blocks (fp16 weights, up to 18 rows), then for prefill's
+    # K-blocks, per thread: 16-bit weights widened once per block, partial sums (cpu_kernels.c).
     blocked = w_type and not dot and num_rows > 6
-    scratch = cpu_scratch(threads * (128 * 32 * 4 + num_rows * 64)).data_ptr() if blocked else None
+    scratch = num_rows * rows.shape[1] + (
+        threads * (128 * 32 * 4 + num_rows * 64) if blocked else 0
+    )
+    scratch = cpu_scratch(scratch).data_ptr()
     bias = None if bias is None else bias.data_ptr()
     dtypes = (dot, w_type, x.dtype == torch.bfloat16)
     args = (rows.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), num_rows, out_features)
