@@ -557,13 +557,16 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
             put(k_cache, slot, get(q, t * q_stride + num_heads * head_dim + i, is_bf16), kv_type);
             put(v_cache, slot, get(v, t * v_stride + i, is_bf16), kv_type);
         }
-    // Blocks of queries small enough to give every thread an item (a verify step at batch 1 has few
-    // queries: with a block of 8 one thread would do all the work), and no smaller: every item
-    // widens its keys and values once for all its queries (measured: a T=5 or T=9 step's attention
-    // 10% faster than with two items a thread, session 15).
-    int block = tree_pos ? 1 : QUERY_BLOCK;
-    while (block > 1 && num_tokens * num_kv_heads / block < threads) block /= 2;
+    // Blocks of queries small enough to give every thread an item, counting the whole segments of
+    // keys (a verify step at batch 1 has few queries: in blocks of 8 they would not spread over
+    // the threads), and no smaller: every item widens its keys and values once for all its
+    // queries (measured: a T=5 or T=9 step's attention 10% faster than with two items a thread,
+    // session 15; counting whole segments, T=5 at 2,000 tokens 5-9% faster and the same below
+    // 1,024, session 17; a short last segment adds an item but little work).
+    int block = tree_pos ? 1 : QUERY_BLOCK, whole = max_blocks * block_size / segment_keys;
     int segments = (max_blocks * block_size + segment_keys - 1) / segment_keys;  // at most
+    while (block > 1 && num_tokens * num_kv_heads * (whole ? whole : 1) / block < threads)
+        block /= 2;
     int64_t items = (int64_t)num_tokens * num_kv_heads * segments;
 // Items start at every token and segment; all but each block's first query return at once.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (items > 1)

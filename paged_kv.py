@@ -162,8 +162,8 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) ->
     head_dim], and hand each attention layer its K and V views. Stored head-major within a block
     ([..., num_kv_heads, block_size, head_dim], seen through a transposed view): an attention
     item reads one KV head, and its keys then sit side by side (a block's 16 keys of 64 fp16 dims:
-    2 KB in a row) rather than 128 bytes at a stride of all the heads. Measured on avx2: decode
-    attention at 2,000 tokens ~25% faster, the same bits (session 17)."""
+    2 KB in a row) rather than 128 bytes at a stride of all the heads. Measured on avx2: a layer's
+    decode attention over 2,000 tokens 162 -> 143 us, the same bits (session 17)."""
     layers = attention_layers(model)
     shape = (2, len(layers), num_blocks, layers[0].num_kv_heads, block_size, layers[0].head_dim)
     cache = torch.zeros(shape, dtype=dtype, device=device).transpose(3, 4)
