@@ -422,30 +422,29 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, new_kv=
     )
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1] - (num_kv_heads if new_kv else 0)
-    out = torch.empty(len(q), num_heads, head_dim, dtype=q.dtype)
+    out = torch.empty(q.shape[0], num_heads, head_dim, dtype=q.dtype)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    # Keys in segments of ATTENTION_SEGMENT positions, each summed on its own, then merged in
+    # order: a decode step's few queries still make an item for every thread (cpu_kernels.c). The
+    # scratch holds their partial sums, then the rotated q and k heads.
+    segments = -(-tables.shape[1] * block_size // ATTENTION_SEGMENT)
+    sums = q.shape[0] * num_heads * segments * (head_dim + 2)
+    partial = cpu_scratch(sums + q.numel()).data_ptr()
     tree, tree_args = (), (None, None, 0)
     if ctx.tree_pos is not None:  # (tree holds the tensors while the kernel runs)
         tree = [t.long().contiguous() for t in (ctx.tree_pos, ctx.tree_keys)]
         tree_args = (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1])
     # cpu_kernels.c's arguments, in its order
     args = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
-    args += [len(seq_lens), tables.shape[1], num_heads, num_kv_heads, head_dim, block_size]
+    args += [seq_lens.shape[0], tables.shape[1], num_heads, num_kv_heads, head_dim, block_size]
     args += [scale, q.dtype == torch.bfloat16, C_TYPES[k_cache.dtype], torch.get_num_threads()]
     new_args = (None, 0, None, None, None)
     if new_kv is not None:
         v, cos_sin = new_kv
         v = v if v.stride()[1:] == (v.shape[2], 1) else v.contiguous()
-        # (held until the kernel returns)
-        cos_sin, rotated = (
-            (None, None) if cos_sin is None else (cos_sin.contiguous(), q.new_empty(q.shape))
-        )
-        pointers = [None if t is None else t.data_ptr() for t in (cos_sin, rotated)]
+        cos_sin = None if cos_sin is None else cos_sin.contiguous()  # (held through the call)
+        pointers = (None, None) if cos_sin is None else (cos_sin.data_ptr(), partial + 4 * sums)
         new_args = (v.data_ptr(), v.stride(0), *pointers, ctx.slot_mapping.data_ptr())
-    # Keys in segments of ATTENTION_SEGMENT positions, each summed on its own, then merged in
-    # order: a decode step's few queries still make an item for every thread (cpu_kernels.c).
-    segments = -(-tables.shape[1] * block_size // ATTENTION_SEGMENT)
-    partial = cpu_scratch(len(q) * num_heads * segments * (head_dim + 2)).data_ptr()
     cpu_kernels().paged_attention(
         *args, *tree_args, q.stride(0), *new_args, partial, ATTENTION_SEGMENT, *k_cache.stride()[:3]
     )
