@@ -299,15 +299,15 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
         for (int64_t k = 0, rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS; k < K; k++)
             for (int64_t r = 0; r < rows; r++)
                 scratch[m0 * K + k * rows + r] = ((const float *)x)[(m0 + r) * K + k];
-    x = interleave ? scratch : x, scratch += interleave ? M * K : 0;
-    // Each thread owns an equal run of panels and walks every row through it: its weights stay
-    // in its cache while the rows pass, and which thread computes an output never changes its
-    // value.
+    if (interleave) x = scratch, scratch += M * K;
+        // Each thread owns an equal run of panels and walks every row through it: its weights stay
+        // in its cache while the rows pass, and which thread computes an output never changes its
+        // value.
 #pragma omp parallel num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int first = num_panels * t / n, last = num_panels * (t + 1) / n;
-        float *own = scratch + t * (KBLOCK * 32 * 4 + M * 64);  // see linear_panels
+        float *own = scratch ? scratch + t * (KBLOCK * 32 * 4 + M * 64) : 0;  // see linear_panels
 #define PANELS(WT, DOT) linear_panels(x, w, bias, y, M, N, K2, first, last, own, WT, DOT, y_bf16)
         // one instance per (weight type, dot product); fp16 only where F16C widens it
         x_bf16            ? PANELS(1, 1)

@@ -274,14 +274,22 @@ def test_c_attention_with_fp16_cache_equals_fp32_cache_of_its_values(batch, head
 )
 @pytest.mark.parametrize("rotate", [True, False], ids=["rotary", "no-rotary"])
 @pytest.mark.parametrize("batch", ["mixed", "decode"])
-def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(batch, rotate, dtype, cache_dtype):
+@pytest.mark.parametrize("layout", ["slot-major", "head-major"])
+def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(
+    layout, batch, rotate, dtype, cache_dtype
+):
     """Given this step's q and k heads side by side and its values (strided views of one qkv row,
     as the model has them), the C call first rotates and stores: the caches afterwards, and the
-    output, equal c_rotary, store_kv, then attending."""
+    output, equal c_rotary, store_kv, then attending. Also over a head-major cache, as the engine
+    stores it (a transposed view: every path reads and writes it by its strides), where the torch
+    reference reads the same values as from a contiguous copy."""
     if cache_dtype == "fp16" and not kernels.cpu_kernels().f16c:
         pytest.skip("an fp16 cache needs F16C (this build is generic)")
     q, k_cache, v_cache, scale, ctx = make_paged_batch(BATCHES[batch], 4, 6, 2, 64, dtype)
     k_cache, v_cache = (c.half() if cache_dtype == "fp16" else c for c in (k_cache, v_cache))
+    if layout == "head-major":
+        k_cache, v_cache = head_major(k_cache), head_major(v_cache)
+        assert not k_cache.is_contiguous()
     num_tokens = len(q)
     qkv = randn(num_tokens, 11 * 64, dtype=dtype)  # 6 query, 2 key and 2 value heads, 1 spare
     q_k, v = qkv[:, : 8 * 64].view(num_tokens, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(-1, 2, 64)
@@ -299,33 +307,9 @@ def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(batch, rotate, 
     got = kernels.c_paged_attention(q_k, k_cache, v_cache, scale, ctx, (v, cos_sin))
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     assert torch.equal(got, want)
-
-
-@needs_c_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("batch", BATCHES)
-def test_c_attention_reads_and_writes_a_head_major_cache_by_its_strides(batch, dtype):
-    """The engine's caches are transposed views of head-major storage: the C call (rotate, store,
-    attend) on one gives the output and the cache values it gives on a slot-major cache, bit for
-    bit; and the torch reference reads it too."""
-    q, k_cache, v_cache, scale, ctx = make_paged_batch(BATCHES[batch], 4, 6, 2, 64, dtype)
-    num_tokens = len(q)
-    qkv = randn(num_tokens, 10 * 64, dtype=dtype)
-    q_k, v = qkv[:, : 8 * 64].view(num_tokens, 8, 64), qkv[:, 8 * 64 :].view(-1, 2, 64)
-    cos_sin = rope_cache(300, 64)[torch.randint(0, 300, (num_tokens,))].to(dtype)
-    tables, slots = ctx.block_tables.long(), []
-    for b, (context, q_len) in enumerate(BATCHES[batch]):
-        slots += [int(tables[b, p // 4]) * 4 + p % 4 for p in range(context - q_len, context)]
-    ctx.slot_mapping = torch.tensor(slots)
-    k_head, v_head = head_major(k_cache), head_major(v_cache)
-    assert k_head.stride() != k_cache.stride()
-    want = kernels.c_paged_attention(q_k, k_cache, v_cache, scale, ctx, (v, cos_sin))
-    got = kernels.c_paged_attention(q_k, k_head, v_head, scale, ctx, (v, cos_sin))
-    assert torch.equal(got, want)
-    assert torch.equal(k_head, k_cache) and torch.equal(v_head, v_cache)
-    q = kernels.c_rotary(q_k, cos_sin)[:, :6]
-    reference = kernels.torch_paged_attention(q, k_head, v_head, scale, ctx)
-    assert torch.equal(reference, kernels.torch_paged_attention(q, k_cache, v_cache, scale, ctx))
+    contiguous = (c.contiguous() for c in (want_k, want_v))
+    reference = kernels.torch_paged_attention(q, want_k, want_v, scale, ctx)
+    assert torch.equal(reference, kernels.torch_paged_attention(q, *contiguous, scale, ctx))
 
 
 def test_kv_cache_dtype(monkeypatch):
