@@ -106,33 +106,24 @@ static inline float hmax(vf v) {  // a max is exact in any order
 // added to the fp32 sum), twice the MACs per instruction. The chain never depends on M, the tile
 // shape or the thread count, so every row is bitwise the same whatever the step around it.
 //
-// A tile of R rows x P panels keeps its R * P * PV accumulators in registers for the whole of K and
+// A tile of R rows x one panel keeps its R * PV accumulators in registers for the whole of K and
 // reads each weight once for its R rows: a decode or verify step (M <= 6) streams the weights from
-// memory exactly once, so verifying K+1 rows costs little more than one. Up to 18 rows, the row
-// blocks of 6 re-read (from cache) and re-widen a thread's weights; beyond (prefill), each K-block
-// of 16-bit weights is widened once into an fp32 buffer that every row block reads (measured:
-// direct wins below 19 rows, blocks above; BENCHMARKS.md, session 12). What makes it fast is what
-// the loop does not do: every shape and dtype is a compile-time constant (no flag tests, no spilled
-// row pointers), and x is fp32 before the call, so a broadcast is one load. `bench.py kernels`
-// counts the instructions per FMA of the inner loops.
+// memory exactly once, so verifying K+1 rows costs little more than one. One panel, not several
+// side by side: each thread then reads a single sequential stream, and tiles of 2-4 panels
+// (more accumulators to hide the FMA latency) measured slower at every M on every build: M=1 8-17%
+// on AVX2, M=1-6 15-25% and prefill 10-13% on AVX-512 (BENCHMARKS.md, session 18). Up to 18 rows,
+// the row blocks of 6 re-read (from cache) and re-widen a thread's weights; beyond (prefill), each
+// K-block of 16-bit weights is widened once into an fp32 buffer that every row block reads
+// (measured: direct wins below 19 rows, blocks above; BENCHMARKS.md, session 12). What makes it
+// fast is what the loop does not do: every shape and dtype is a compile-time constant (no flag
+// tests, no spilled row pointers), and x is fp32 before the call, so a broadcast is one load.
+// `bench.py kernels` counts the instructions per FMA of the inner loops.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
-#if LANES == 16
-#define MAX_ACC 24  // of AVX-512's 32 vector registers: the rest hold weights and x
-#define MAX_ROWS 6
-#elif LANES == 8
-#define MAX_ACC 12  // of AVX2's 16
-#define MAX_ROWS 6
-#else
-#define MAX_ACC 8  // of SSE's 16 (128-bit)
-#define MAX_ROWS 2
-#endif
-// The most panels a tile of R rows takes: up to 4 (64 columns), so that even one row has enough
-// independent chains to hide the FMA latency. AVX2 gives 2 and 3 rows fewer than its 12
-// accumulators: with 3 panels' weights and a broadcast live too, GCC kept accumulators on the
-// stack, and 3 rows ran slower than 4 (BENCHMARKS.md, session 16).
-#define PANELS_FOR(R)                                                                              \
-    (LANES == 8 && (R) > 1 ? 1 + ((R) == 2) : MAX_ACC / ((R)*PV) < 4 ? MAX_ACC / ((R)*PV) : 4)
+// The rows a tile takes: AVX2 keeps 6 rows x 2 vectors of accumulators in 12 of its 16 registers,
+// SSE 2 rows x 4 in 8; AVX-512 takes 6 rows too (6 of its 32 registers: more rows would mean more
+// tile instances to compile).
+#define MAX_ROWS (LANES == 4 ? 2 : 6)
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
 // on AVX2, session 10).
@@ -153,13 +144,13 @@ static inline vf widen(const char *pair, int v, int half, const int wt) {
 // y rows m0.. of the tile, + bias, rounded to bf16 or stored as fp32; the last panel may be
 // partial.
 static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t m0, int p0, int N,
-                              const int R, const int P, int y_bf16) {
+                              const int R, int y_bf16) {
     int elem = y_bf16 ? 2 : 4;
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < P * PV; v++) {
+        for (int v = 0; v < PV; v++) {
             int n0 = p0 * PANEL + v * LANES;
             if (n0 >= N) continue;  // zero padding of the last panel
-            vf out = acc[r * P * PV + v];
+            vf out = acc[r * PV + v];
             char *dst = (char *)y + ((m0 + r) * N + n0) * elem, tmp[LANES * 4];
             for (int j = 0; bias && j < LANES && n0 + j < N; j++)
                 out[j] +=
@@ -169,114 +160,99 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
         }
 }
 
-// One tile: rows m0..m0+R-1, panels p0..p0+P-1, pairs of k kp0..kp0+kps-1, with weights at w0
-// (panel p at w0 + p * panel_bytes). R, P and the dtypes are constants in each instance
-// (tile_shape), so the accumulators live in registers. A tile that covers only part of K (prefill's
-// K-blocks) resumes its sums from `partial` and leaves them there: stored and reloaded as fp32, so
-// every output is still one unbroken chain. The last part adds the bias and writes y.
-static inline __attribute__((always_inline)) void
-tile(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int64_t kps, float *partial,
-     const void *bias, void *y, int64_t m0, int p0, int N, int64_t K2, const int R, const int P,
-     const int wt, const int dot, int y_bf16) {
-    vf acc[MAX_ACC];  // acc[(r * P + p) * PV + v]
-    for (int i = 0; i < R * P * PV; i++) acc[i] = (vf){};
-    if (partial && kp0 > 0) __builtin_memcpy(acc, partial + m0 * P * PANEL, R * P * PANEL * 4);
-    const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // one panel's weights for a pair of k
-    for (int64_t kp = 0; kp < kps; kp++)
-        for (int p = 0; p < P; p++) {
-            const char *pair = w0 + p * panel_bytes + kp * pair_bytes;
-            for (int line = 0; line < pair_bytes; line += 64)
-                __builtin_prefetch(pair + AHEAD * pair_bytes + line);
+// One tile: rows m0..m0+R-1, panel p0, pairs of k kp0..kp0+kps-1, with the panel's weights at w0.
+// R and the dtypes are constants in each instance (tile_rows), so the accumulators live in
+// registers. A tile that covers only part of K (prefill's K-blocks) resumes its sums from `partial`
+// and leaves them there: stored and reloaded as fp32, so every output is still one unbroken chain.
+// The last part adds the bias and writes y.
+static inline __attribute__((always_inline)) void tile(const void *x, const char *w0, int64_t kp0,
+                                                       int64_t kps, float *partial,
+                                                       const void *bias, void *y, int64_t m0,
+                                                       int p0, int N, int64_t K2, const int R,
+                                                       const int wt, const int dot, int y_bf16) {
+    vf acc[MAX_ROWS * PV];  // acc[r * PV + v]
+    for (int i = 0; i < R * PV; i++) acc[i] = (vf){};
+    if (partial && kp0 > 0) __builtin_memcpy(acc, partial + m0 * PANEL, R * PANEL * 4);
+    const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
+    for (int64_t kp = 0; kp < kps; kp++) {
+        const char *pair = w0 + kp * pair_bytes;
+        for (int line = 0; line < pair_bytes; line += 64)
+            __builtin_prefetch(pair + AHEAD * pair_bytes + line);
 #if defined(__AVX512BF16__)
-            if (dot) {  // x: bf16 rows, a pair of k per 32-bit word
-                __m512bh wk = (__m512bh)_mm512_loadu_si512(pair);
-                for (int r = 0; r < R; r++) {
-                    int32_t xk = ((const int32_t *)x)[(m0 + r) * K2 + kp0 + kp];
-                    acc[r * P + p] = (vf)_mm512_dpbf16_ps((__m512)acc[r * P + p],
-                                                          (__m512bh)_mm512_set1_epi32(xk), wk);
-                }
-                continue;
+        if (dot) {  // x: bf16 rows, a pair of k per 32-bit word
+            __m512bh wk = (__m512bh)_mm512_loadu_si512(pair);
+            for (int r = 0; r < R; r++) {
+                int32_t xk = ((const int32_t *)x)[(m0 + r) * K2 + kp0 + kp];
+                acc[r] = (vf)_mm512_dpbf16_ps((__m512)acc[r], (__m512bh)_mm512_set1_epi32(xk), wk);
             }
-#endif
-            for (int half = 0; half < 2; half++) {  // k = 2 kp, then 2 kp + 1: the chain's order
-                vf wk[PV];
-                for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, wt);
-                for (int r = 0; r < R; r++) {
-                    int64_t k = 2 * (kp0 + kp) + half, at = (m0 + r) * 2 * K2 + k;
-                    if (wt == 2) at = m0 * 2 * K2 + k * R + r;  // x interleaved (see linear)
-                    vf xk = splat(((const float *)x)[at]);
-                    for (int v = 0; v < PV; v++) acc[(r * P + p) * PV + v] += xk * wk[v];  // FMA
-                }
-            }
+            continue;
         }
-    if (partial && kp0 + kps < K2)
-        __builtin_memcpy(partial + m0 * P * PANEL, acc, R * P * PANEL * 4);
-    else
-        store_tile(acc, bias, y, m0, p0, N, R, P, y_bf16);
-}
-
-// Every (rows, panels) shape a call can need, each compiled as its own instance: linear_panels
-// picks P <= PANELS_FOR(R) (non-increasing in R), and no other shape is compiled.
-#define SHAPE(R, P)                                                                                \
-    case R * 8 + P:                                                                                \
-        if (P <= PANELS_FOR(R))                                                                    \
-            tile(x, w0, panel_bytes, kp0, kps, partial, bias, y, m0, p0, N, K2, R, P, wt, dot,     \
-                 y_bf16);                                                                          \
-        break;
-#define SHAPES(R) SHAPE(R, 1) SHAPE(R, 2) SHAPE(R, 3) SHAPE(R, 4)
-static inline __attribute__((always_inline)) void
-tile_shape(const void *x, const char *w0, int64_t panel_bytes, int64_t kp0, int64_t kps,
-           float *partial, const void *bias, void *y, int64_t m0, int p0, int N, int64_t K2,
-           int rows, int panels, const int wt, const int dot, int y_bf16) {
-    switch (rows * 8 + panels) { SHAPES(1) SHAPES(2) SHAPES(3) SHAPES(4) SHAPES(5) SHAPES(6) }
-}
-
-// Prefill's K-blocks: pairs of k widened from bf16 once per block into an L1-resident fp32 copy
-// that every row block of the call then reads (fp32 layout: [panel][pair][2][16]).
-#define KBLOCK 128
-static void widen_block(const char *w, int64_t K2, int p0, int P, int64_t kp0, int64_t kps,
-                        float *out, int wt) {
-    for (int p = 0; p < P; p++)
-        for (int64_t kp = 0; kp < kps; kp++)
-            for (int half = 0; half < 2; half++)
-                for (int v = 0; v < PV; v++) {
-                    vf wk = widen(w + ((p0 + p) * K2 + kp0 + kp) * PANEL * 4, v, half, wt);
-                    __builtin_memcpy(out + ((p * kps + kp) * 2 + half) * PANEL + v * LANES, &wk,
-                                     sizeof wk);
-                }
-}
-
-// The tiles of one thread: its share of the panels, in groups as wide as the widest tile of the
-// call allows; every row block walks a group while the group's weights are in this core's cache.
-// With bf16 weights and several row blocks (prefill) the FMA path walks K in blocks, widened once
-// each into `scratch` (KBLOCK * 32 * 4 floats, then M * 64 floats of partial sums).
-static inline __attribute__((always_inline)) void
-linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
-              int first, int last, float *scratch, const int wt, const int dot, int y_bf16) {
-    int group = PANELS_FOR(M < MAX_ROWS ? M : MAX_ROWS);
-    int blocked = wt && !dot && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a K-block
-    int64_t kblock = blocked ? KBLOCK : K2;
-    for (int p0 = first; p0 < last; p0 += group) {
-        int panels = last - p0 < group ? last - p0 : group;
-        for (int64_t kp0 = 0; kp0 < K2; kp0 += kblock) {
-            int64_t kps = K2 - kp0 < kblock ? K2 - kp0 : kblock;
-            const char *w0 = (const char *)w + (p0 * K2 + kp0) * PANEL * (wt ? 4 : 8);
-            int64_t panel_bytes = K2 * PANEL * (wt ? 4 : 8);
-            if (blocked) {
-                widen_block(w, K2, p0, panels, kp0, kps, scratch, wt);
-                w0 = (const char *)scratch, panel_bytes = kps * PANEL * 8;
-            }
-            for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-                int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
-                if (blocked)
-                    tile_shape(x, w0, panel_bytes, kp0, kps, scratch + KBLOCK * 32 * 4, bias, y, m0,
-                               p0, N, K2, rows, panels, 0, 0, y_bf16);
-                else
-                    tile_shape(x, w0, panel_bytes, kp0, kps, 0, bias, y, m0, p0, N, K2, rows,
-                               panels, wt, dot, y_bf16);
+#endif
+        for (int half = 0; half < 2; half++) {  // k = 2 kp, then 2 kp + 1: the chain's order
+            vf wk[PV];
+            for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, wt);
+            for (int r = 0; r < R; r++) {
+                int64_t k = 2 * (kp0 + kp) + half, at = (m0 + r) * 2 * K2 + k;
+                if (wt == 2) at = m0 * 2 * K2 + k * R + r;  // x interleaved (see linear)
+                vf xk = splat(((const float *)x)[at]);
+                for (int v = 0; v < PV; v++) acc[r * PV + v] += xk * wk[v];  // FMA
             }
         }
     }
+    if (partial && kp0 + kps < K2)
+        __builtin_memcpy(partial + m0 * PANEL, acc, R * PANEL * 4);
+    else
+        store_tile(acc, bias, y, m0, p0, N, R, y_bf16);
+}
+
+// Every row count a tile can have, each compiled as its own instance.
+#define ROWS(R)                                                                                    \
+    case R:                                                                                        \
+        if (R <= MAX_ROWS)                                                                         \
+            tile(x, w0, kp0, kps, partial, bias, y, m0, p0, N, K2, R, wt, dot, y_bf16);            \
+        break;
+static inline __attribute__((always_inline)) void
+tile_rows(const void *x, const char *w0, int64_t kp0, int64_t kps, float *partial, const void *bias,
+          void *y, int64_t m0, int p0, int N, int64_t K2, int rows, const int wt, const int dot,
+          int y_bf16) {
+    switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
+}
+
+// Prefill's K-blocks: a panel's pairs of k widened from 16 bits once per block into an L1-resident
+// fp32 copy that every row block of the call then reads (fp32 layout: [pair][2][16]).
+#define KBLOCK 128
+static void widen_block(const char *w, int64_t kps, float *out, int wt) {
+    for (int64_t kp = 0; kp < kps; kp++)
+        for (int half = 0; half < 2; half++)
+            for (int v = 0; v < PV; v++) {
+                vf wk = widen(w + kp * PANEL * 4, v, half, wt);
+                __builtin_memcpy(out + (kp * 2 + half) * PANEL + v * LANES, &wk, sizeof wk);
+            }
+}
+
+// The tiles of one thread: its share of the panels, one at a time; every row block walks a panel
+// while its weights are in this core's cache. With 16-bit weights and several row blocks (prefill)
+// the FMA path walks K in blocks, widened once each into `scratch` (KBLOCK * 32 floats, then M * 16
+// floats of partial sums).
+static inline __attribute__((always_inline)) void
+linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
+              int first, int last, float *scratch, const int wt, const int dot, int y_bf16) {
+    int blocked = wt && !dot && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a K-block
+    int64_t kblock = blocked ? KBLOCK : K2;
+    for (int p0 = first; p0 < last; p0++)
+        for (int64_t kp0 = 0; kp0 < K2; kp0 += kblock) {
+            int64_t kps = K2 - kp0 < kblock ? K2 - kp0 : kblock;
+            const char *w0 = (const char *)w + (p0 * K2 + kp0) * PANEL * (wt ? 4 : 8);
+            if (blocked) widen_block(w0, kps, scratch, wt);
+            for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+                int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+                if (blocked)
+                    tile_rows(x, (const char *)scratch, kp0, kps, scratch + KBLOCK * 32, bias, y,
+                              m0, p0, N, K2, rows, 0, 0, y_bf16);
+                else
+                    tile_rows(x, w0, kp0, kps, 0, bias, y, m0, p0, N, K2, rows, wt, dot, y_bf16);
+            }
+        }
 }
 
 // x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: the AVX512-BF16 dot product,
@@ -307,7 +283,7 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int first = num_panels * t / n, last = num_panels * (t + 1) / n;
-        float *own = scratch ? scratch + t * (KBLOCK * 32 * 4 + M * 64) : 0;  // see linear_panels
+        float *own = scratch ? scratch + t * (KBLOCK * 32 + M * 16) : 0;  // see linear_panels
 #define PANELS(WT, DOT) linear_panels(x, w, bias, y, M, N, K2, first, last, own, WT, DOT, y_bf16)
         // one instance per (weight type, dot product); fp16 only where F16C widens it
         x_bf16            ? PANELS(1, 1)

@@ -349,7 +349,7 @@ def c_linear(x, packed, bias, out_features):
     # (No room for x past 18 rows: a 2048-token chunk of a wide model's x would be 100 MB.)
     blocked = w_type and not dot and num_rows > 6
     scratch = num_rows * rows.shape[1] if num_rows <= 18 else 0
-    scratch += threads * (128 * 32 * 4 + num_rows * 64) if blocked else 0
+    scratch += threads * (128 * 32 + num_rows * 16) if blocked else 0
     scratch = cpu_scratch(scratch).data_ptr()
     bias = None if bias is None else bias.data_ptr()
     dtypes = (dot, w_type, x.dtype == torch.bfloat16)
