@@ -161,7 +161,7 @@ def cpu_kernels():
     lib = ctypes.CDLL(str(library))
     lib.bf16_dot, lib.f16c = isa == "avx512bf16", isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
+    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
     lib.paged_attention.argtypes += [i64, ptr, i64, ptr, ptr, ptr]  # rotary's and store_kv's
     lib.paged_attention.argtypes += [ptr, i32, i64, i64, i64]  # per-segment sums; cache strides
@@ -212,27 +212,29 @@ def rotary(x, cos_sin):
     return pick(x, torch_rotary, c_rotary if c_fits else None, torch_rotary)(x, cos_sin)
 
 
-def attention(q_k, v, cos_sin, k_cache, v_cache, scale):
-    """What a model's attention layer calls, with this step's query and key heads side by side in
-    q_k [T, Hq + Hkv, D] and its values v [T, Hkv, D]: rotate q and k (cos_sin [T, D] at the
-    tokens' positions; None: no rotary), store this step's K/V, then attend over the cache."""
+def attention(qkv, cos_sin, k_cache, v_cache, scale):
+    """What a model's attention layer calls, with this step's query, key and value heads side by
+    side in each row of qkv [T, (Hq + 2 Hkv) * D]: rotate q and k (cos_sin [T, D] at the tokens'
+    positions; None: no rotary), store this step's K/V, then attend over the cache. Returns
+    [T, Hq * D], the o projection's input."""
     assert context is not None, "attention called outside an engine step (no AttentionContext set)"
     num_kv_heads, head_dim = k_cache.shape[2:]
-    num_heads = q_k.shape[1] - num_kv_heads
+    num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
     # the cache in q's dtype, or fp16 under fp32 queries (kv_cache_dtype)
-    fp16_cache = q_k.dtype == torch.float32 and k_cache.dtype == torch.float16
+    fp16_cache = qkv.dtype == torch.float32 and k_cache.dtype == torch.float16
     c_fits = head_dim % 16 == 0 and head_dim <= 256 and num_heads // num_kv_heads <= 16
-    c_fits = c_fits and (q_k.dtype == k_cache.dtype or fp16_cache)
-    c_fits = c_fits and (cos_sin is None or cos_sin.dtype == q_k.dtype)
+    c_fits = c_fits and (qkv.dtype == k_cache.dtype or fp16_cache)
+    c_fits = c_fits and (cos_sin is None or cos_sin.dtype == qkv.dtype)
     fn = pick(
-        q_k, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention
+        qkv, triton_paged_attention, c_paged_attention if c_fits else None, torch_paged_attention
     )
     if fn is c_paged_attention:  # which rotates and stores them itself: one call, not six ops
-        return fn(q_k, k_cache, v_cache, scale, context, (v, cos_sin))
+        return fn(qkv, k_cache, v_cache, scale, context, fused=True, cos_sin=cos_sin)
+    q_k, v = qkv.view(len(qkv), -1, head_dim).split((num_heads + num_kv_heads, num_kv_heads), 1)
     rotated = q_k if cos_sin is None else rotary(q_k, cos_sin)
     q, k = rotated.split((num_heads, num_kv_heads), dim=1)
     store_kv(k, v, k_cache, v_cache, context.slot_mapping)
-    return fn(q, k_cache, v_cache, scale, context)
+    return fn(q, k_cache, v_cache, scale, context).flatten(1)
 
 
 def linear(x, layer: "Linear"):
@@ -325,10 +327,11 @@ def torch_linear(x, weight, bias=None):
 C_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_kernels.c's type codes
 
 
-def c_linear(x, packed, bias, out_features):
+def c_linear(x, packed, bias, out_features, gated=False):
     """cpu_kernels.c's linear: each output one fixed fp32 chain over k, the weights streamed once
-    per call. (A decode step makes ~120 of these calls, so the wrapper does only what the kernel
-    needs: each tensor op here, even a view, costs about a microsecond a call.)"""
+    per call. Gated, x is [gate | up] and the rows multiplied are silu(gate) * up (silu_mul_linear).
+    (A decode step makes ~120 of these calls, so the wrapper does only what the kernel needs: each
+    tensor op here, even a view, costs about a microsecond a call.)"""
     lib, rows = cpu_kernels(), x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     # The bf16 dot product takes bf16 rows as they are. The FMA path takes fp32 rows, widened here
     # once (exactly), so that the kernel's broadcast of x[m, k] is a single load. Both walk k in
@@ -336,6 +339,8 @@ def c_linear(x, packed, bias, out_features):
     w_type = C_TYPES[packed.dtype]
     assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
     dot = lib.bf16_dot and w_type == 1 and rows.dtype == torch.bfloat16
+    if gated and (rows.shape[1] % 32 or not (dot or rows.dtype == torch.float32)):
+        rows, gated = silu_mul(rows), False  # the kernel gates whole vectors, in x's own dtype
     if not dot and rows.dtype != torch.float32:
         rows = rows.float()
     if rows.shape[1] % 2:
@@ -343,18 +348,20 @@ def c_linear(x, packed, bias, out_features):
     elif not rows.is_contiguous():
         rows = rows.contiguous()
     num_rows, threads = rows.shape[0], torch.get_num_threads()
+    in_features = rows.shape[1] // 2 if gated else rows.shape[1]
     out = torch.empty(num_rows, out_features, dtype=x.dtype)
-    # Room for x interleaved by row blocks (fp16 weights, up to 18 rows), then for prefill's
-    # K-blocks, per thread: 16-bit weights widened once per block, partial sums (cpu_kernels.c).
-    # (No room for x past 18 rows: a 2048-token chunk of a wide model's x would be 100 MB.)
+    # Room for the gated rows, for x interleaved by row blocks (fp16 weights, up to 18 rows), then
+    # for prefill's K-blocks, per thread: 16-bit weights widened once per block, partial sums
+    # (cpu_kernels.c). (No room for x past 18 rows: a 2048-token chunk of a wide model's x would be
+    # 100 MB.)
     blocked = w_type and not dot and num_rows > 6
-    scratch = num_rows * rows.shape[1] if num_rows <= 18 else 0
+    scratch = num_rows * in_features * (gated + (num_rows <= 18))
     scratch += threads * (128 * 32 + num_rows * 16) if blocked else 0
     scratch = cpu_scratch(scratch).data_ptr()
     bias = None if bias is None else bias.data_ptr()
     dtypes = (dot, w_type, x.dtype == torch.bfloat16)
     args = (rows.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), num_rows, out_features)
-    lib.linear(*args, rows.shape[1], *dtypes, scratch, threads)
+    lib.linear(*args, in_features, *dtypes, scratch, threads, gated)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
@@ -409,26 +416,27 @@ def torch_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     return out
 
 
-def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, new_kv=None):
+def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, fused=False, cos_sin=None):
     """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (q fp32 or bf16;
-    the caches q's dtype, or fp16 under fp32 queries: attention's c_fits). With new_kv = (v,
-    cos_sin), q [T, Hq + Hkv, D] holds this step's key heads after its query heads: the kernel
-    first does what attention() does before the other kernels (rotary where cos_sin is given,
-    store_kv)."""
-    if q.stride()[1:] != (q.shape[2], 1):  # rows of heads at any row stride
+    the caches q's dtype, or fp16 under fp32 queries: attention's c_fits). Fused, q is what
+    attention() takes, a layer's qkv [T, (Hq + 2 Hkv) * D] at any row stride: the kernel first
+    does what attention() does before the other kernels (rotary where cos_sin is given, store_kv),
+    and returns [T, Hq * D]."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if q.stride(-1) != 1 or (not fused and q.stride(1) != head_dim):  # rows at any row stride
         q = q.contiguous()
     tables, seq_lens, starts = (
         t.long().contiguous() for t in (ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)
     )
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1] - (num_kv_heads if new_kv else 0)
-    out = torch.empty(q.shape[0], num_heads, head_dim, dtype=q.dtype)
+    num_tokens = q.shape[0]
+    num_heads = q.shape[1] // head_dim - 2 * num_kv_heads if fused else q.shape[1]
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     # Keys in segments of ATTENTION_SEGMENT positions, each summed on its own, then merged in
     # order: a decode step's few queries still make an item for every thread (cpu_kernels.c). The
     # scratch holds their partial sums, then the rotated q and k heads.
     segments = -(-tables.shape[1] * block_size // ATTENTION_SEGMENT)
-    sums = q.shape[0] * num_heads * segments * (head_dim + 2)
+    sums = num_tokens * num_heads * segments * (head_dim + 2)
     partial = cpu_scratch(sums + q.numel()).data_ptr()
     tree, tree_args = (), (None, None, 0)
     if ctx.tree_pos is not None:  # (tree holds the tensors while the kernel runs)
@@ -439,16 +447,15 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, new_kv=
     args += [seq_lens.shape[0], tables.shape[1], num_heads, num_kv_heads, head_dim, block_size]
     args += [scale, q.dtype == torch.bfloat16, C_TYPES[k_cache.dtype], torch.get_num_threads()]
     new_args = (None, 0, None, None, None)
-    if new_kv is not None:
-        v, cos_sin = new_kv
-        v = v if v.stride()[1:] == (v.shape[2], 1) else v.contiguous()
+    if fused:  # the values after the keys in each row; the rotated q and k after the sums
+        v = args[0] + (num_heads + num_kv_heads) * head_dim * q.element_size()
         cos_sin = None if cos_sin is None else cos_sin.contiguous()  # (held through the call)
         pointers = (None, None) if cos_sin is None else (cos_sin.data_ptr(), partial + 4 * sums)
-        new_args = (v.data_ptr(), v.stride(0), *pointers, ctx.slot_mapping.data_ptr())
+        new_args = (v, q.stride(0), *pointers, ctx.slot_mapping.data_ptr())
     cpu_kernels().paged_attention(
         *args, *tree_args, q.stride(0), *new_args, partial, ATTENTION_SEGMENT, *k_cache.stride()[:3]
     )
-    return out
+    return out if fused else out.view(num_tokens, num_heads, head_dim)
 
 
 # Keys a segment sums; a multiple of every build's LANES. The partial sums take T * Hq * segments *
@@ -496,6 +503,14 @@ def c_rotary(x, cos_sin):
     pointers = (x.data_ptr(), cos_sin.data_ptr(), out.data_ptr())
     cpu_kernels().rotary(*pointers, *x.shape, x.stride(0), x.dtype == torch.bfloat16)
     return out
+
+
+def silu_mul_linear(x, layer: "Linear"):
+    """linear(silu_mul(x), layer): an MLP's down projection of x [T, 2I] = [gate | up]. With the
+    C kernels one call, whose kernel computes silu(gate) * up as it first copies its rows."""
+    if layer.packed is not None:  # as in linear()
+        return c_linear(x, layer.packed, layer.bias, layer.out_features, gated=True)
+    return linear(silu_mul(x), layer)
 
 
 def silu_mul(x):

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import attention, rms_norm, silu_mul
+from kernels import attention, rms_norm, silu_mul_linear
 
 
 def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
@@ -68,16 +68,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin=None):  # cos_sin None: no rotary (OPT)
         qkv = self.qkv_proj(x)
-        heads = (self.num_heads, self.num_kv_heads)
-        # q and k sit side by side in each row of qkv: viewed as one [T, Hq + Hkv, D] tensor they
-        # are rotated in one pass (on a CPU inside the attention kernel's own call).
-        q_k = qkv[:, : self.q_size + self.kv_size].view(-1, sum(heads), self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = q_k.split(heads, dim=1)
-            q_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        out = attention(q_k, v, cos_sin, self.k_cache, self.v_cache, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        # attention() takes q, k and v as they sit side by side in each row of qkv: on a CPU the
+        # C call reads them there (a view of each would cost more than the call's own Python).
+        if self.qk_norm:  # Qwen3: RMSNorm over each head's q and k, in place (qkv is our own)
+            heads = qkv.view(len(qkv), -1, self.head_dim)
+            q, k = heads[:, : self.num_heads], heads[:, self.num_heads : -self.num_kv_heads]
+            q.copy_(self.q_norm(q)), k.copy_(self.k_norm(k))
+        return self.o_proj(attention(qkv, cos_sin, self.k_cache, self.v_cache, self.scale))
 
     __call__ = forward  # past nn.Module's hook dispatch, as kernels.Linear
 
@@ -89,7 +86,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return silu_mul_linear(self.gate_up_proj(x), self.down_proj)
 
     __call__ = forward  # past nn.Module's hook dispatch, as kernels.Linear
 

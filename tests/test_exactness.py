@@ -62,6 +62,18 @@ def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     )
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float16), (torch.bfloat16,) * 2])
+def test_c_gated_linear_rows_are_invariant(c_isa, x_dtype, w_dtype):
+    """The MLP's down projection, gating its own rows (silu(gate) * up), at every M."""
+    if w_dtype == torch.float16 and c_isa == "generic":
+        pytest.skip("fp16 weights need F16C, which the generic build does not assume")
+    packed = kernels.pack_weight((0.05 * torch.randn(96, 1536)).to(w_dtype))
+    assert_rows_invariant(
+        lambda x: kernels.c_linear(x, packed, None, 96, gated=True),
+        (2 * torch.randn(300, 3072)).to(x_dtype),
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_torch_linear_rows_are_invariant(dtype):
     weight, bias = (0.05 * torch.randn(160, 576)).to(dtype), torch.randn(160).to(dtype)

@@ -278,11 +278,11 @@ def test_c_attention_with_fp16_cache_equals_fp32_cache_of_its_values(batch, head
 def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(
     layout, batch, rotate, dtype, cache_dtype
 ):
-    """Given this step's q and k heads side by side and its values (strided views of one qkv row,
-    as the model has them), the C call first rotates and stores: the caches afterwards, and the
-    output, equal c_rotary, store_kv, then attending. Also over a head-major cache, as the engine
-    stores it (a transposed view: every path reads and writes it by its strides), where the torch
-    reference reads the same values as from a contiguous copy."""
+    """Given this step's q, k and v heads side by side in each row of qkv (as the model has them,
+    here at a row stride wider than the heads), the C call first rotates and stores: the caches
+    afterwards, and the output, equal c_rotary, store_kv, then attending. Also over a head-major
+    cache, as the engine stores it (a transposed view: every path reads and writes it by its
+    strides), where the torch reference reads the same values as from a contiguous copy."""
     if cache_dtype == "fp16" and not kernels.cpu_kernels().f16c:
         pytest.skip("an fp16 cache needs F16C (this build is generic)")
     q, k_cache, v_cache, scale, ctx = make_paged_batch(BATCHES[batch], 4, 6, 2, 64, dtype)
@@ -304,9 +304,10 @@ def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(
     q, k = (kernels.c_rotary(q_k, cos_sin) if rotate else q_k).split((6, 2), dim=1)
     kernels.store_kv(k, v, want_k, want_v, ctx.slot_mapping)
     want = kernels.c_paged_attention(q, want_k, want_v, scale, ctx)
-    got = kernels.c_paged_attention(q_k, k_cache, v_cache, scale, ctx, (v, cos_sin))
+    qkv = qkv[:, : 10 * 64]  # rows at a stride wider than their heads
+    got = kernels.c_paged_attention(qkv, k_cache, v_cache, scale, ctx, fused=True, cos_sin=cos_sin)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    assert torch.equal(got, want)
+    assert torch.equal(got, want.flatten(1))
     contiguous = (c.contiguous() for c in (want_k, want_v))
     reference = kernels.torch_paged_attention(q, want_k, want_v, scale, ctx)
     assert torch.equal(reference, kernels.torch_paged_attention(q, *contiguous, scale, ctx))
@@ -348,6 +349,35 @@ def test_c_linear_matches_f_linear(rows, n, k, bias, x_dtype, w_dtype):
         got = kernels.c_linear(x, kernels.pack_weight(weight), b, n)
     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
     torch.testing.assert_close(got.float(), want, **TOLERANCE[x_dtype])
+
+
+@needs_c_kernels
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
+    ids=["fp32", "bf16", "fp16-w"],
+)
+@pytest.mark.parametrize("rows,k", [(1, 64), (9, 1536), (40, 96), (3, 24)])
+def test_c_gated_linear_is_linear_of_silu_mul(rows, k, x_dtype, w_dtype):
+    """The down projection's one call: silu(gate) * up computed by the kernel as it copies its
+    rows, then the same chain as a plain call. Gates from -100 to 100 (where e^-g under- and
+    overflows). A width the kernel's vectors do not divide (k=24) goes the unfused way."""
+    if w_dtype == torch.float16 and not kernels.cpu_kernels().f16c:
+        pytest.skip("fp16 weights need F16C (this build is generic)")
+    packed, bias = kernels.pack_weight((0.1 * torch.randn(40, k)).to(w_dtype)), None
+    x = torch.cat((torch.linspace(-100, 100, rows * k).view(rows, k), torch.randn(rows, k)), 1)
+    x = x.to(x_dtype)
+    got = kernels.c_linear(x, packed, bias, 40, gated=True)
+    want = kernels.c_linear(kernels.silu_mul(x), packed, bias, 40)
+    # A C e^x, not torch's: an fp32 product may differ in its last bits, a bf16 one by an ulp
+    # (torch's bf16 ops round after each op, as the kernel does)
+    torch.testing.assert_close(got, want, **TOLERANCE[x_dtype])
+    if k == 24 or (x_dtype == torch.bfloat16 and not kernels.cpu_kernels().bf16_dot):
+        assert torch.equal(got, want)
 
 
 @needs_c_kernels
