@@ -510,8 +510,11 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         }
         for (int i = 0; i < active; i++) {
             for (int c = 0; alpha[i] != 1.0f && c < chunks; c++) acc[i][c] *= alpha[i];
-            // the keys query i sees
-            for (int j = 0; j < LANES && j < num_keys + i / group - l0; j++)
+            // Every key of the chunk, a constant count (the loop unrolled: attention 5-7% faster on
+            // avx2, session 18): one query i does not see has p = e^-inf = 0 and a finite value
+            // (past the last key, the chunk's first), so it adds +-0 and leaves acc's bits as they
+            // were.
+            for (int j = 0; j < LANES; j++)
                 for (int c = 0; c < chunks; c++) acc[i][c] += p[i][j] * values[j][c];
         }
     }
