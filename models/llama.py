@@ -33,6 +33,13 @@ def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """An nn.Embedding the checkpoint fills (load_model builds models on the meta device). Not
+    nn.Embedding(rows, dim): its random init on the meta device imports torch._dynamo, 1.1 s of
+    every start-up."""
+    return nn.Embedding.from_pretrained(torch.empty(rows, dim))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -131,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.hidden_size, self.vocab_size = config["hidden_size"], config["vocab_size"]
         # a namespace: parameter names are the checkpoint's ("model.layers.0...")
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size)
+        self.model.embed_tokens = embedding(self.vocab_size, self.hidden_size)
         layers = (DecoderLayer(config, **flags) for _ in range(config["num_hidden_layers"]))
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(self.hidden_size, config["rms_norm_eps"])

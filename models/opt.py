@@ -5,7 +5,7 @@
 import torch.nn.functional as F
 from torch import nn
 
-from models.llama import Attention
+from models.llama import Attention, embedding
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves its first two rows
 
@@ -51,10 +51,8 @@ class OPTForCausalLM(nn.Module):
         # namespaces: parameter names are the checkpoint's ("model.decoder...")
         self.model = nn.Module()
         self.model.decoder = dec = nn.Module()
-        dec.embed_tokens = nn.Embedding(config["vocab_size"], proj_dim)
-        dec.embed_positions = nn.Embedding(
-            config["max_position_embeddings"] + POSITION_OFFSET, hidden
-        )
+        dec.embed_tokens = embedding(config["vocab_size"], proj_dim)
+        dec.embed_positions = embedding(config["max_position_embeddings"] + POSITION_OFFSET, hidden)
         # A layer the checkpoint lacks is an nn.Identity: no parameters, the forward passes through
         # it.
         dec.project_in = (
