@@ -198,6 +198,8 @@ def pick(x: torch.Tensor, triton_fn, c_fn, torch_fn):
 
 
 def rms_norm(x, weight, eps, residual=None):
+    """RMSNorm of x, or with a residual of x + residual: (normed, sum). The C kernel writes both
+    into x's and residual's own memory, so a caller passes tensors it will not read again."""
     c_fits = x.dtype == weight.dtype
     return pick(x, triton_rms_norm, c_rms_norm if c_fits else None, torch_rms_norm)(
         x, weight, eps, residual
@@ -431,7 +433,8 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, fused=F
     num_tokens = q.shape[0]
     num_heads = q.shape[1] // head_dim - 2 * num_kv_heads if fused else q.shape[1]
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    strides = k_cache.stride()
+    assert strides == v_cache.stride() and strides[3] == 1
     # Keys in segments of ATTENTION_SEGMENT positions, each summed on its own, then merged in
     # order: a decode step's few queries still make an item for every thread (cpu_kernels.c). The
     # scratch holds their partial sums, then the rotated q and k heads.
@@ -453,7 +456,7 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, fused=F
         pointers = (None, None) if cos_sin is None else (cos_sin.data_ptr(), partial + 4 * sums)
         new_args = (v, q.stride(0), *pointers, ctx.slot_mapping.data_ptr())
     cpu_kernels().paged_attention(
-        *args, *tree_args, q.stride(0), *new_args, partial, ATTENTION_SEGMENT, *k_cache.stride()[:3]
+        *args, *tree_args, q.stride(0), *new_args, partial, ATTENTION_SEGMENT, *strides[:3]
     )
     return out if fused else out.view(num_tokens, num_heads, head_dim)
 
@@ -475,12 +478,17 @@ def torch_rms_norm(x, weight, eps, residual=None):
 
 
 def c_rms_norm(x, weight, eps, residual=None):
-    """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (fp32 or bf16, CPU)."""
-    x, out = x.contiguous(), torch.empty_like(x)
-    residual, summed = (
-        (None, None) if residual is None else (residual.contiguous(), torch.empty_like(x))
-    )
-    pointers = [None if t is None else t.data_ptr() for t in (x, residual, weight, out, summed)]
+    """cpu_kernels.c's rms_norm; same contract as torch_rms_norm (fp32 or bf16, CPU). With a
+    residual in place, as vLLM's fused add-norm: the sum into residual, the normed rows into x
+    (the kernel reads a row whole before it writes it), so that a decode step's 60 norms allocate
+    nothing. Without one, x is the residual stream the caller keeps: a fresh output."""
+    x = x.contiguous()
+    if residual is None:
+        out, summed = torch.empty_like(x), None
+    else:
+        out, summed = x, residual.contiguous()
+    summed_at = None if summed is None else summed.data_ptr()
+    pointers = (x.data_ptr(), summed_at, weight.data_ptr(), out.data_ptr(), summed_at)
     rows, is_bf16 = x.numel() // x.shape[-1], x.dtype == torch.bfloat16
     cpu_kernels().rms_norm(*pointers, rows, x.shape[-1], eps, is_bf16)
     return out if residual is None else (out, summed)
