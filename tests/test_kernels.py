@@ -86,8 +86,8 @@ def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
 # --------------------------------------------------------------------------------------------
 def head_major(cache):
     """The same logical cache [blocks, block_size, heads, D], stored as the engine stores it:
-    [blocks, heads, block_size, D] (paged_kv.allocate_kv_cache), seen through a transposed view."""
-    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+    [heads, blocks, block_size, D] (paged_kv.allocate_kv_cache), seen through a permuted view."""
+    return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
 
 
 @pytest.mark.parametrize("layout", ["slot-major", "head-major"])
