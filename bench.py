@@ -250,7 +250,7 @@ def main(argv=None):
             AutoTokenizer.from_pretrained(base.model_path),
         )
     engines = [
-        LLM(model, dtype=base.dtype, draft=d, num_spec_tokens=k, spec_tree_nodes=n, **settings)
+        LLM(model, dtype=args.dtype, draft=d, num_spec_tokens=k, spec_tree_nodes=n, **settings)
         if d != "none"
         else base
         for d, k, n in configs

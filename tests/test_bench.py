@@ -5,9 +5,15 @@ import json
 import tiny
 
 import bench
+from nanospec import LLM
 
 
-def test_bench_sweep_writes_machine_facts_and_identity(tmp_path):
+def test_bench_sweep_writes_machine_facts_and_identity(tmp_path, monkeypatch):
+    # Every engine gets the --dtype the user gave, not the base engine's resolved dtype: under
+    # AVX2, auto keeps fp16 weights where an explicit float32 would not, and plain would then
+    # differ from speculation for a reason that is not speculation.
+    dtypes = []
+    monkeypatch.setattr(bench, "LLM", lambda *a, **kw: dtypes.append(kw["dtype"]) or LLM(*a, **kw))
     tiny.write_checkpoint(tmp_path / "model", tiny.llama_like())
     tiny.write_char_tokenizer(tmp_path / "model")
     workload = tmp_path / "prompts.jsonl"
@@ -38,6 +44,7 @@ def test_bench_sweep_writes_machine_facts_and_identity(tmp_path):
             str(out),
         ]
     )
+    assert dtypes == ["auto"] * 3  # plain, then the two speculative engines
     report = json.loads(out.read_text())
     assert report["machine"]["dtype"] in ("float32", "bfloat16") and report["machine"]["kernels"]
     rows = report["results"]
