@@ -80,7 +80,8 @@ class Attention(nn.Module):
         if self.qk_norm:  # Qwen3: RMSNorm over each head's q and k, in place (qkv is our own)
             heads = qkv.view(len(qkv), -1, self.head_dim)
             q, k = heads[:, : self.num_heads], heads[:, self.num_heads : -self.num_kv_heads]
-            q.copy_(self.q_norm(q)), k.copy_(self.k_norm(k))
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         return self.o_proj(attention(qkv, cos_sin, self.k_cache, self.v_cache, self.scale))
 
     __call__ = forward  # past nn.Module's hook dispatch, as kernels.Linear
