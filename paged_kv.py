@@ -68,7 +68,9 @@ class BlockManager:
         missing = self.blocks_for(num_tokens) - len(seq.block_table)
         if missing > self.num_free_blocks + self.num_cached_blocks:
             return False
-        seq.block_table.extend(self.take_unused() for _ in range(missing))
+        # Ascending: the attention kernel reads a KV head's consecutive blocks as one stream
+        # (allocate_kv_cache), and the cache gives back a freed sequence's blocks last first.
+        seq.block_table.extend(sorted(self.take_unused() for _ in range(missing)))
         return True
 
     def register_full_blocks(self, seq, num_computed: int | None = None):

@@ -261,6 +261,20 @@ def test_cached_blocks_are_evicted_least_recently_released_first_after_free_ones
     assert blocks.allocate(make_seq([3, 4, 0])) == 2
 
 
+def test_new_blocks_come_in_ascending_order_even_from_the_cache():
+    """A KV head's consecutive blocks are one stream for the attention kernel when their ids
+    follow each other (allocate_kv_cache): a sequence's new blocks are handed out ascending, also
+    when they are evicted from the cache, which releases a sequence's blocks last first."""
+    blocks = BlockManager(8, 2)
+    old = make_seq(range(1, 9))
+    run_to_end(blocks, old)  # blocks 0-3, all four full and cached when freed
+    blocks.free(old)
+    assert blocks.ensure_slots(make_seq([9] * 8), 8)  # the 4 free blocks
+    new = make_seq([5] * 8)
+    assert blocks.ensure_slots(new, 8)  # 4 evicted from the cache, in the order 3, 2, 1, 0
+    assert new.block_table == [0, 1, 2, 3]
+
+
 def test_a_prefix_computed_twice_ends_up_in_one_block():
     """Two sequences admitted together compute the same block; registering the second swaps its
     copy for the first's, and the copy goes back to the free list."""
