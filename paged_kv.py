@@ -165,7 +165,7 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) ->
     whole pool ([2, layers, num_kv_heads, num_blocks, block_size, head_dim], seen through a
     permuted view): an attention item reads one KV head, and its keys then sit side by side, a
     block's 16 keys of 64 fp16 dims in 2 KB and the next block's right after when the block ids
-    follow each other (as a fresh pool hands them out), so the hardware's prefetchers see one long
+    follow each other (as ensure_slots hands them out), so the hardware's prefetchers see one long
     stream instead of 128 bytes at a stride of all the heads. Measured on avx2, a layer's decode
     attention over 2,000 tokens (2 threads): slot-major 162 -> 143 us head-major within a block
     (session 17); that 120 -> 76 us head-major across the pool (session 18). The same bits."""
