@@ -277,17 +277,17 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 // where torch made three ops (~7 us of Python a layer at decode). bf16 is rounded after each op,
 // as torch's bf16 ops round; either way it is one fixed formula of each element.
 static void silu_mul(const void *x, void *out, int64_t M, int K, int is_bf16, int threads) {
+    int elem = is_bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) if (M > 16)
     for (int64_t m = 0; m < M; m++)
         for (int k = 0; k < K; k += LANES) {
-            int64_t at = (m * 2 * K + k) * (is_bf16 ? 2 : 4);
+            int64_t at = (m * 2 * K + k) * elem;
             vf gate = load_vf((const char *)x + at, is_bf16);
-            vf up = load_vf((const char *)x + at + K * (is_bf16 ? 2 : 4), is_bf16);
+            vf up = load_vf((const char *)x + at + K * elem, is_bf16);
             vi positive = gate >= 0;  // sigmoid(g) = 1 / (1 + e^-g), or e^g / (1 + e^g) below 0
             vf e = exp_vf((vf)((vu)gate | 0x80000000u)), one = (vf){} + 1.0f;
             vf silu = gate * ((vf)((positive & (vi)one) | (~positive & (vi)e)) / (one + e));
-            store_vf((char *)out + (m * K + k) * (is_bf16 ? 2 : 4), round_vf(silu, is_bf16) * up,
-                     is_bf16);
+            store_vf((char *)out + (m * K + k) * elem, round_vf(silu, is_bf16) * up, is_bf16);
         }
 }
 

@@ -281,7 +281,7 @@ def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(
     """Given this step's q, k and v heads side by side in each row of qkv (as the model has them,
     here at a row stride wider than the heads), the C call first rotates and stores: the caches
     afterwards, and the output, equal c_rotary, store_kv, then attending. Also over a head-major
-    cache, as the engine stores it (a transposed view: every path reads and writes it by its
+    cache, as the engine stores it (a permuted view: every path reads and writes it by its
     strides), where the torch reference reads the same values as from a contiguous copy."""
     if cache_dtype == "fp16" and not kernels.cpu_kernels().f16c:
         pytest.skip("an fp16 cache needs F16C (this build is generic)")
@@ -368,11 +368,11 @@ def test_c_gated_linear_is_linear_of_silu_mul(rows, k, x_dtype, w_dtype):
     overflows). A width the kernel's vectors do not divide (k=24) goes the unfused way."""
     if w_dtype == torch.float16 and not kernels.cpu_kernels().f16c:
         pytest.skip("fp16 weights need F16C (this build is generic)")
-    packed, bias = kernels.pack_weight((0.1 * torch.randn(40, k)).to(w_dtype)), None
+    packed = kernels.pack_weight((0.1 * torch.randn(40, k)).to(w_dtype))
     x = torch.cat((torch.linspace(-100, 100, rows * k).view(rows, k), torch.randn(rows, k)), 1)
     x = x.to(x_dtype)
-    got = kernels.c_linear(x, packed, bias, 40, gated=True)
-    want = kernels.c_linear(kernels.silu_mul(x), packed, bias, 40)
+    got = kernels.c_linear(x, packed, None, 40, gated=True)
+    want = kernels.c_linear(kernels.silu_mul(x), packed, None, 40)
     # A C e^x, not torch's: an fp32 product may differ in its last bits, a bf16 one by an ulp
     # (torch's bf16 ops round after each op, as the kernel does)
     torch.testing.assert_close(got, want, **TOLERANCE[x_dtype])
