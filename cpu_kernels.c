@@ -487,12 +487,12 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         vf p[QUERY_BLOCK * MAX_GROUP];
         float alpha[QUERY_BLOCK * MAX_GROUP];
         for (int i = 0; i < active; i++) {
-            vf partial[LANES];
-            for (int s = 0; s < LANES; s++) {
-                vf dot = {};
-                for (int c = 0; c < chunks; c++) dot += qv[i][c] * keys[s][c];
-                partial[s] = dot;
-            }
+            // Each key's dot is its own chain over c; written c by c, the LANES chains interleave
+            // in the code itself, where the CPU needs them to overlap (a T=5-64 item's attention
+            // 4-6% faster on avx2, 2-4% slower on AVX-512's 16 chains of 4; session 19).
+            vf partial[LANES] = {};
+            for (int c = 0; c < chunks; c++)
+                for (int s = 0; s < LANES; s++) partial[s] += qv[i][c] * keys[s][c];
             vi valid = iota() < num_keys + i / group - l0;
             p[i] = sum_lanes(partial) * scale;
             p[i] = (vf)(((vi)p[i] & valid) | ((vi)((vf){} - INFINITY) & ~valid));
