@@ -275,8 +275,10 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 // The MLP's down projection reads silu(gate) * up of rows [gate | up] of 2K: computed here into
 // `out` as rows of K (a multiple of 16; kernels.silu_mul_linear), so that the model makes one call
 // where torch made three ops (~7 us of Python a layer at decode). bf16 is rounded after each op,
-// as torch's bf16 ops round; either way it is one fixed formula of each element.
-static void silu_mul(const void *x, void *out, int64_t M, int K, int is_bf16) {
+// as torch's bf16 ops round; either way it is one fixed formula of each element. (Not inlined:
+// bench.py counts the instructions per FMA of linear's own loops, and e^x has FMAs too.)
+static __attribute__((noinline)) void silu_mul(const void *x, void *out, int64_t M, int K,
+                                               int is_bf16) {
     int elem = is_bf16 ? 2 : 4;
 #pragma omp for  // (called inside linear's parallel region: its threads share the rows)
     for (int64_t m = 0; m < M; m++)
