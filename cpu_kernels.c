@@ -34,6 +34,10 @@ typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+// The same, read or written at any address (a plain vector type promises its own alignment)
+typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(2), may_alias));
+typedef uint32_t vu_u __attribute__((vector_size(LANES * 4), aligned(2), may_alias));
+typedef uint16_t vh_u __attribute__((vector_size(LANES * 2), aligned(2), may_alias));
 
 typedef union {  // an fp32's bits
     float f;
@@ -41,6 +45,10 @@ typedef union {  // an fp32's bits
 } bits32;
 
 static inline float to_f32(bf16 h) { return (bits32){.u = (uint32_t)h << 16}.f; }
+
+static inline float get(const void *p, int64_t i, int is_bf16) {  // element i: fp32 or bf16
+    return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
 
 static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
     uint32_t u = (bits32){.f = f}.u;
@@ -55,14 +63,8 @@ static inline vf load_vf(const void *p, const int type) {
 #elif defined(__F16C__)
     if (type == 2) return (vf)_mm256_cvtph_ps(_mm_loadu_si128(p));
 #endif
-    if (!type) {
-        vf v;
-        __builtin_memcpy(&v, p, sizeof v);
-        return v;
-    }
-    vh h;
-    __builtin_memcpy(&h, p, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
+    if (!type) return *(const vf_u *)p;
+    return (vf)(__builtin_convertvector(*(const vh_u *)p, vu) << 16);
 }
 
 static inline vf round_vf(vf v, int is_bf16) {  // to bf16's precision, nearest even (or kept)
@@ -71,12 +73,10 @@ static inline vf round_vf(vf v, int is_bf16) {  // to bf16's precision, nearest 
 }
 
 static inline void store_vf(void *p, vf v, int is_bf16) {  // rounded to nearest even for bf16
-    if (!is_bf16) {
-        __builtin_memcpy(p, &v, sizeof v);
-        return;
-    }
-    vh h = __builtin_convertvector((vu)round_vf(v, 1) >> 16, vh);
-    __builtin_memcpy(p, &h, sizeof h);
+    if (is_bf16)
+        *(vh_u *)p = __builtin_convertvector((vu)round_vf(v, 1) >> 16, vh);
+    else
+        *(vf_u *)p = v;
 }
 
 static inline vi iota(void) {
@@ -114,9 +114,9 @@ static inline vf exp_vf(vf x) {
 // Linear: y[M, N] = x[M, K] W^T (+ bias). W is packed once at load time into panels of 16 output
 // columns (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows, K to an even
 // count), walked in pairs of k: fp32 w[panel][k / 2][2][16], bf16 w[panel][k / 2][16][2], a bf16
-// pair (k, k + 1) sharing one 32-bit word. The AVX512-BF16 dot product reads that word as is; the
-// FMA path widens its halves exactly with one shift (k) and one mask (k + 1), so one load serves
-// two k.
+// pair (k, k + 1) sharing one 32-bit word. The AVX512-BF16 dot product (and AMX, below) reads
+// that word as is; the FMA path widens its halves exactly with one shift (k) and one mask (k + 1),
+// so one load serves two k.
 //
 // Each output y[m, n] is one fixed chain from zero, then + bias: fp32 FMAs over k = 0..K-1 (x in
 // fp32), or, with AVX512-BF16 (x and W both bf16), one vdpbf16ps per pair of k (two exact products
@@ -130,8 +130,11 @@ static inline vf exp_vf(vf x) {
 // (more accumulators to hide the FMA latency) measured slower at every M on every build: M=1 8-17%
 // on AVX2, M=1-6 15-25% and prefill 10-13% on AVX-512 (BENCHMARKS.md, session 18). Up to 18 rows,
 // the row blocks of 6 re-read (from cache) and re-widen a thread's weights; beyond (prefill), each
-// K-block of 16-bit weights is widened once into an fp32 buffer that every row block reads
-// (measured: direct wins below 19 rows, blocks above; BENCHMARKS.md, session 12). What makes it
+// panel of 16-bit weights is widened once into an fp32 buffer that every row block reads
+// (measured: direct wins below 19 rows, widened above; BENCHMARKS.md, session 12). The whole
+// panel, K x 16 floats (36-98 KB for the default model: L2), not blocks of 128 pairs of k in L1
+// with their partial sums stored between blocks: as fast on avx2 at M=256 (172-179 GFLOP/s in
+// blocks, 175-189 whole; BENCHMARKS.md, session 20), and 10 lines fewer. What makes it
 // fast is what the loop does not do: every shape and dtype is a compile-time constant (no flag
 // tests, no spilled row pointers), and x is fp32 before the call, so a broadcast is one load.
 // `bench.py kernels` counts the instructions per FMA of the inner loops.
@@ -153,8 +156,7 @@ static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: 
 // vcvtph2ps widens LANES of them in one instruction, straight from memory).
 static inline vf widen(const char *pair, int v, int half, const int wt) {
     if (wt != 1) return load_vf(pair + (half * PANEL + v * LANES) * (wt ? 2 : 4), wt);
-    vu u;
-    __builtin_memcpy(&u, pair + v * LANES * 4, sizeof u);
+    vu u = *(const vu_u *)(pair + v * LANES * 4);
     return (vf)(half ? u & 0xFFFF0000u : u << 16);
 }
 
@@ -170,28 +172,23 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
             vf out = acc[r * PV + v];
             char *dst = (char *)y + ((m0 + r) * N + n0) * elem, tmp[LANES * 4];
             for (int j = 0; bias && j < LANES && n0 + j < N; j++)
-                out[j] +=
-                    y_bf16 ? to_f32(((const bf16 *)bias)[n0 + j]) : ((const float *)bias)[n0 + j];
+                out[j] += get(bias, n0 + j, y_bf16);
             store_vf(n0 + LANES <= N ? dst : tmp, out, y_bf16);
             if (n0 + LANES > N) __builtin_memcpy(dst, tmp, (N - n0) * elem);  // a partial vector
         }
 }
 
-// One tile: rows m0..m0+R-1, panel p0, pairs of k kp0..kp0+kps-1, with the panel's weights at w0.
-// R and the dtypes are constants in each instance (tile_rows), so the accumulators live in
-// registers. A tile that covers only part of K (prefill's K-blocks) resumes its sums from `partial`
-// and leaves them there: stored and reloaded as fp32, so every output is still one unbroken chain.
-// The last part adds the bias and writes y.
-static inline __attribute__((always_inline)) void tile(const void *x, const char *w0, int64_t kp0,
-                                                       int64_t kps, float *partial,
+// One tile: rows m0..m0+R-1, panel p0, every pair of k, with the panel's weights at w0. R and the
+// dtypes are constants in each instance (tile_rows), so the accumulators live in registers. It
+// adds the bias and writes y.
+static inline __attribute__((always_inline)) void tile(const void *x, const char *w0,
                                                        const void *bias, void *y, int64_t m0,
                                                        int p0, int N, int64_t K2, const int R,
                                                        const int wt, const int dot, int y_bf16) {
     vf acc[MAX_ROWS * PV];  // acc[r * PV + v]
     for (int i = 0; i < R * PV; i++) acc[i] = (vf){};
-    if (partial && kp0 > 0) __builtin_memcpy(acc, partial + m0 * PANEL, R * PANEL * 4);
     const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
-    for (int64_t kp = 0; kp < kps; kp++) {
+    for (int64_t kp = 0; kp < K2; kp++) {
         const char *pair = w0 + kp * pair_bytes;
         for (int line = 0; line < pair_bytes; line += 64)
             __builtin_prefetch(pair + AHEAD * pair_bytes + line);
@@ -199,7 +196,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, const char
         if (dot) {  // x: bf16 rows, a pair of k per 32-bit word
             __m512bh wk = (__m512bh)_mm512_loadu_si512(pair);
             for (int r = 0; r < R; r++) {
-                int32_t xk = ((const int32_t *)x)[(m0 + r) * K2 + kp0 + kp];
+                int32_t xk = ((const int32_t *)x)[(m0 + r) * K2 + kp];
                 acc[r] = (vf)_mm512_dpbf16_ps((__m512)acc[r], (__m512bh)_mm512_set1_epi32(xk), wk);
             }
             continue;
@@ -209,95 +206,117 @@ static inline __attribute__((always_inline)) void tile(const void *x, const char
             vf wk[PV];
             for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, wt);
             for (int r = 0; r < R; r++) {
-                int64_t k = 2 * (kp0 + kp) + half, at = (m0 + r) * 2 * K2 + k;
+                int64_t k = 2 * kp + half, at = (m0 + r) * 2 * K2 + k;
                 if (wt == 2) at = m0 * 2 * K2 + k * R + r;  // x interleaved (see linear)
                 vf xk = splat(((const float *)x)[at]);
                 for (int v = 0; v < PV; v++) acc[r * PV + v] += xk * wk[v];  // FMA
             }
         }
     }
-    if (partial && kp0 + kps < K2)
-        __builtin_memcpy(partial + m0 * PANEL, acc, R * PANEL * 4);
-    else
-        store_tile(acc, bias, y, m0, p0, N, R, y_bf16);
+    store_tile(acc, bias, y, m0, p0, N, R, y_bf16);
 }
 
 // Every row count a tile can have, each compiled as its own instance.
 #define ROWS(R)                                                                                    \
     case R:                                                                                        \
-        if (R <= MAX_ROWS)                                                                         \
-            tile(x, w0, kp0, kps, partial, bias, y, m0, p0, N, K2, R, wt, dot, y_bf16);            \
+        if (R <= MAX_ROWS) tile(x, w0, bias, y, m0, p0, N, K2, R, wt, dot, y_bf16);                \
         break;
 static inline __attribute__((always_inline)) void
-tile_rows(const void *x, const char *w0, int64_t kp0, int64_t kps, float *partial, const void *bias,
-          void *y, int64_t m0, int p0, int N, int64_t K2, int rows, const int wt, const int dot,
-          int y_bf16) {
+tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
+          int64_t K2, int rows, const int wt, const int dot, int y_bf16) {
     switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
 }
 
-// Prefill's K-blocks: a panel's pairs of k widened from 16 bits once per block into an L1-resident
-// fp32 copy that every row block of the call then reads (fp32 layout: [pair][2][16]).
-#define KBLOCK 128
-static void widen_block(const char *w, int64_t kps, float *out, int wt) {
-    for (int64_t kp = 0; kp < kps; kp++)
+// Prefill: a panel's pairs of k widened from 16 bits once into an fp32 copy that every row block
+// of the call then reads (fp32 layout: [pair][2][16]).
+static void widen_panel(const char *w, int64_t K2, float *out, int wt) {
+    for (int64_t kp = 0; kp < K2; kp++)
         for (int half = 0; half < 2; half++)
-            for (int v = 0; v < PV; v++) {
-                vf wk = widen(w + kp * PANEL * 4, v, half, wt);
-                __builtin_memcpy(out + (kp * 2 + half) * PANEL + v * LANES, &wk, sizeof wk);
-            }
+            for (int v = 0; v < PV; v++)
+                *(vf_u *)(out + (kp * 2 + half) * PANEL + v * LANES) =
+                    widen(w + kp * PANEL * 4, v, half, wt);
 }
 
 // The tiles of one thread: its share of the panels, one at a time; every row block walks a panel
 // while its weights are in this core's cache. With 16-bit weights and several row blocks (prefill)
-// the FMA path walks K in blocks, widened once each into `scratch` (KBLOCK * 32 floats, then M * 16
-// floats of partial sums).
+// the FMA path widens each panel once into `scratch` (K * 16 floats).
 static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, const int dot, int y_bf16) {
-    int blocked = wt && !dot && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a K-block
-    int64_t kblock = blocked ? KBLOCK : K2;
-    for (int p0 = first; p0 < last; p0++)
-        for (int64_t kp0 = 0; kp0 < K2; kp0 += kblock) {
-            int64_t kps = K2 - kp0 < kblock ? K2 - kp0 : kblock;
-            const char *w0 = (const char *)w + (p0 * K2 + kp0) * PANEL * (wt ? 4 : 8);
-            if (blocked) widen_block(w0, kps, scratch, wt);
-            for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-                int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
-                if (blocked)
-                    tile_rows(x, (const char *)scratch, kp0, kps, scratch + KBLOCK * 32, bias, y,
-                              m0, p0, N, K2, rows, 0, 0, y_bf16);
-                else
-                    tile_rows(x, w0, kp0, kps, 0, bias, y, m0, p0, N, K2, rows, wt, dot, y_bf16);
+    int blocked = wt && !dot && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
+    for (int p0 = first; p0 < last; p0++) {
+        const char *w0 = (const char *)w + p0 * K2 * PANEL * (wt ? 4 : 8);
+        if (blocked) widen_panel(w0, K2, scratch, wt);
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+            int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+            if (blocked)
+                tile_rows(x, (const char *)scratch, bias, y, m0, p0, N, K2, rows, 0, 0, y_bf16);
+            else
+                tile_rows(x, w0, bias, y, m0, p0, N, K2, rows, wt, dot, y_bf16);
+        }
+    }
+}
+
+#ifdef __AMX_BF16__
+// Intel AMX (Xeons since Sapphire Rapids): one tdpbf16ps multiplies 16 rows x 32 k of bf16 x by
+// 32 k x 16 columns of bf16 weights into 16 x 16 fp32 sums: 16 times the MACs of an AVX512-BF16
+// dot product. Its sums round otherwise than vdpbf16ps's, but each output is still one fixed
+// chain, the k-blocks of 32 in order, of its own row and column alone (measured: a row in a tile
+// of 1 row gets the bits it gets among 16). So the AMX build takes it at every M, decode
+// included, wherever K is a multiple of 32 (a fact of the layer, never of the step). The bf16
+// packing is already tile B's layout: a pair of k in each 32-bit word, 16 columns a 64-byte row.
+// Tiles 0-3 hold the sums of 2 row blocks x 2 panels, 4-5 their x, 6-7 their weights: each x tile
+// and each weight tile loaded serves two products (one row block x one panel reached half the
+// speed at M=256). A row block is min(M, 16) rows; the last one starts at M - 16 and recomputes
+// rows the one before wrote (the same bits), and past the thread's last panel or row block the
+// tile repeats the last one: tile shapes stay one configuration a call. (Not inlined: inside
+// linear's parallel region it kept the FMA tiles' accumulators on the stack, 37 instructions for 12
+// FMAs instead of 19.)
+static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, const void *bias,
+                                                 void *y, int64_t M, int N, int64_t K2, int first,
+                                                 int last, int y_bf16) {
+    float out[4][16 * 16] __attribute__((aligned(64)));
+    int rows = M < 16 ? (int)M : 16;
+    // palette 1; each tile's bytes a row (16-bit, from byte 16) and rows (from byte 48)
+    uint8_t config[64] __attribute__((aligned(64))) = {1};
+    for (int t = 0; t < 8; t++) config[16 + 2 * t] = 64, config[48 + t] = t < 6 ? rows : 16;
+    _tile_loadconfig(config);
+    for (int p0 = first; p0 < last; p0 += 2)
+        for (int64_t m = 0; m < M; m += 32) {
+            int64_t m0 = m + rows > M ? M - rows : m, m1 = m0 + 16 + rows > M ? M - rows : m0 + 16;
+            int p1 = p0 + 1 < last ? p0 + 1 : p0;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kp = 0; kp < K2; kp += 16) {
+                _tile_loadd(4, x + 2 * (m0 * K2 + kp), 4 * K2);
+                _tile_loadd(6, w + (p0 * K2 + kp) * 64, 64);
+                _tile_loadd(7, w + (p1 * K2 + kp) * 64, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (m1 == m0) continue;  // (decode and verify: one row block)
+                _tile_loadd(5, x + 2 * (m1 * K2 + kp), 4 * K2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
             }
+            _tile_stored(0, out[0], 64);
+            _tile_stored(1, out[1], 64);
+            _tile_stored(2, out[2], 64);
+            _tile_stored(3, out[3], 64);
+            for (int i = 0; i < (m1 == m0 ? 2 : 4); i++)
+                store_tile((vf *)out[i], bias, y, i < 2 ? m0 : m1, i % 2 ? p1 : p0, N, rows,
+                           y_bf16);
         }
+    _tile_release();  // (the kernel then saves no tile state at a context switch)
 }
+#endif
 
-// The MLP's down projection reads silu(gate) * up of rows [gate | up] of 2K: computed here into
-// `out` as rows of K (a multiple of 16; kernels.silu_mul_linear), so that the model makes one call
-// where torch made three ops (~7 us of Python a layer at decode). bf16 is rounded after each op,
-// as torch's bf16 ops round; either way it is one fixed formula of each element. (Not inlined:
-// bench.py counts the instructions per FMA of linear's own loops, and e^x has FMAs too.)
-static __attribute__((noinline)) void silu_mul(const void *x, void *out, int64_t M, int K,
-                                               int is_bf16) {
-    int elem = is_bf16 ? 2 : 4;
-#pragma omp for  // (called inside linear's parallel region: its threads share the rows)
-    for (int64_t m = 0; m < M; m++)
-        for (int k = 0; k < K; k += LANES) {
-            int64_t at = (m * 2 * K + k) * elem;
-            vf gate = load_vf((const char *)x + at, is_bf16);
-            vf up = load_vf((const char *)x + at + K * elem, is_bf16);
-            vi positive = gate >= 0;  // sigmoid(g) = 1 / (1 + e^-g), or e^g / (1 + e^g) below 0
-            vf e = exp_vf((vf)((vu)gate | 0x80000000u)), one = (vf){} + 1.0f;
-            vf silu = gate * ((vf)((positive & (vi)one) | (~positive & (vi)e)) / (one + e));
-            store_vf((char *)out + (m * K + k) * elem, round_vf(silu, is_bf16) * up, is_bf16);
-        }
-}
-
-// x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: the AVX512-BF16 dot product,
-// W bf16 too); gated: rows [gate | up] of 2K, multiplied as silu(gate) * up. W packed fp32, bf16
-// or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32 or bf16 (y_bf16).
+// x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: the AVX512-BF16 dot product or
+// AMX, W bf16 too). W packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32
+// or bf16 (y_bf16).
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
-            int x_bf16, int wt, int y_bf16, float *scratch, int threads, int gated) {
+            int x_bf16, int wt, int y_bf16, float *scratch, int threads) {
     int num_panels = (N + PANEL - 1) / PANEL;
     int64_t K2 = K / 2;
     if (M == 0) return;  // (no tile shape has 0 rows)
@@ -308,33 +327,35 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     // instructions for 24 FMAs of the 6-row tile on avx2. Prefill's blocked tiles and the other
     // weight types read x in place (for prefill the copy cost more than it saved). One row is the
     // same either way.
-    int interleave = M > 1 && wt == 2 && M <= 3 * MAX_ROWS;
-    float *silu_rows = scratch, *interleaved = scratch + (gated ? M * K : 0);
-    const void *row_major = gated ? silu_rows : x, *rows = interleave ? interleaved : row_major;
-    int64_t interleaved_rows = interleave ? M : 0;
-    scratch = interleaved + interleaved_rows * K;
+    int64_t interleaved_rows = M > 1 && wt == 2 && M <= 3 * MAX_ROWS ? M : 0;
+    float *interleaved = scratch;
+    const void *rows = interleaved_rows ? interleaved : x;
+    scratch += interleaved_rows * K;
     // Each thread owns an equal run of panels and walks every row through it: its weights stay in
     // its cache while the rows pass, and which thread computes an output never changes its value.
-    // The gating and the interleaving before the tiles share the threads too (one parallel region
-    // for the three: a T=9 forward 2% faster on avx2, session 19).
+    // The interleaving before the tiles shares the threads too (one parallel region for both: a
+    // T=9 forward 2% faster on avx2, session 19).
 #pragma omp parallel num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
     {
-        if (gated) silu_mul(x, silu_rows, M, K, x_bf16);
 #pragma omp for collapse(2)
         for (int64_t m0 = 0; m0 < interleaved_rows; m0 += MAX_ROWS)
             for (int64_t k = 0; k < K; k++)
                 for (int64_t r = 0, block = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS; r < block; r++)
-                    interleaved[m0 * K + k * block + r] =
-                        ((const float *)row_major)[(m0 + r) * K + k];
+                    interleaved[m0 * K + k * block + r] = ((const float *)x)[(m0 + r) * K + k];
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int first = num_panels * t / n, last = num_panels * (t + 1) / n;
-        float *own = scratch ? scratch + t * (KBLOCK * 32 + M * 16) : 0;  // see linear_panels
+        float *own = scratch ? scratch + t * K * PANEL : 0;  // see linear_panels
+#ifdef __AMX_BF16__
+        if (x_bf16 && K % 32 == 0)
+            amx_panels(rows, w, bias, y, M, N, K2, first, last, y_bf16);
+        else
+#endif
 #define PANELS(WT, DOT) linear_panels(rows, w, bias, y, M, N, K2, first, last, own, WT, DOT, y_bf16)
-        // one instance per (weight type, dot product); fp16 only where F16C widens it
-        x_bf16            ? PANELS(1, 1)
-        : wt == 1         ? PANELS(1, 0)
-        : wt == 2 && F16C ? PANELS(2, 0)
-                          : PANELS(0, 0);
+            // one instance per (weight type, dot product); fp16 only where F16C widens it
+            x_bf16            ? PANELS(1, 1)
+            : wt == 1         ? PANELS(1, 0)
+            : wt == 2 && F16C ? PANELS(2, 0)
+                              : PANELS(0, 0);
     }
 }
 
@@ -344,10 +365,6 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 // agree bit for bit; fp32 rounds each operation once, as torch does, but may fuse a multiply and an
 // add (and sums in its own order). Scalar reads and writes of element i: fp32 or bf16, and for put
 // fp16 too (type as load_vf's), rounded to nearest even as torch rounds.
-static inline float get(const void *p, int64_t i, int is_bf16) {
-    return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
-}
-
 static inline float rounded(float v, int is_bf16) { return is_bf16 ? to_f32(to_bf16(v)) : v; }
 
 static inline void put(void *p, int64_t i, float v, int type) {

@@ -51,6 +51,7 @@ context: AttentionContext | None = None
 # /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (avx512_bf16:
 # -mavx512bf16). avx512bf16 adds the bf16 dot product to the linear layers.
 ISA_NEEDS = {
+    "amx": ["amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx2", "fma", "f16c"],
     "avx512bf16": ["avx512f", "avx512_bf16", "avx2", "fma", "f16c"],
     "avx512": ["avx512f", "avx2", "fma", "f16c"],
     "avx2": ["avx2", "fma", "f16c"],
@@ -66,6 +67,16 @@ def cpu_isa() -> str:
     if forced and forced not in ISA_NEEDS:
         raise ValueError(f"NANOSPEC_ISA={forced!r}: choose from {', '.join(ISA_NEEDS)}")
     return forced or next(isa for isa, needs in ISA_NEEDS.items() if set(needs) <= cpu_flags())
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Linux gives a process AMX's 8 KB of tile registers only when it asks (arch_prctl
+    ARCH_REQ_XCOMP_PERM for XTILEDATA, kernel 5.16 and later); without them the first tile
+    instruction kills the process. Asked once, for the whole process (cpu_kernels: where Linux
+    refuses, the torch path runs)."""
+    # syscall 158 is arch_prctl on x86-64, 0x1023 asks, 18 is the tile data's feature bit
+    return ctypes.CDLL(None).syscall(158, 0x1023, 18) == 0
 
 
 def cpu_flags() -> set[str]:
@@ -130,6 +141,9 @@ def cpu_kernels():
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
     isa = cpu_isa()
+    if isa == "amx" and not amx_permitted():
+        warnings.warn("nanospec: Linux gave no AMX tile state; using torch", stacklevel=2)
+        return None
     command = [
         os.environ.get("CC", "cc"),
         "-O3",
@@ -138,7 +152,7 @@ def cpu_kernels():
         "-shared",
         "-fPIC",
         "-Wno-psabi",
-        *(f"-m{flag.replace('_', '')}" for flag in ISA_NEEDS[isa]),
+        *(f"-m{flag.replace('amx_', 'amx-').replace('_', '')}" for flag in ISA_NEEDS[isa]),
         str(source),
     ]
     # Keyed by source, compiler and ISA flags: a cache on a shared disk never loads another CPU's
@@ -159,9 +173,10 @@ def cpu_kernels():
             )
             return None
     lib = ctypes.CDLL(str(library))
-    lib.bf16_dot, lib.f16c = isa == "avx512bf16", isa != "generic"  # (fp16 weights need F16C)
+    # AMX builds have AVX512-BF16 too; fp16 weights need F16C
+    lib.bf16_dot, lib.f16c = isa in ("amx", "avx512bf16"), isa != "generic"
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32, i32]
+    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
     lib.paged_attention.argtypes += [i64, ptr, i64, ptr, ptr, ptr]  # rotary's and store_kv's
     lib.paged_attention.argtypes += [ptr, i32, i64, i64, i64]  # per-segment sums; cache strides
@@ -329,20 +344,17 @@ def torch_linear(x, weight, bias=None):
 C_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_kernels.c's type codes
 
 
-def c_linear(x, packed, bias, out_features, gated=False):
+def c_linear(x, packed, bias, out_features):
     """cpu_kernels.c's linear: each output one fixed fp32 chain over k, the weights streamed once
-    per call. Gated, x is [gate | up] and the rows multiplied are silu(gate) * up (silu_mul_linear).
-    (A decode step makes ~120 of these calls, so the wrapper does only what the kernel needs: each
-    tensor op here, even a view, costs about a microsecond a call.)"""
+    per call. (A decode step makes ~120 of these calls, so the wrapper does only what the kernel
+    needs: each tensor op here, even a view, costs about a microsecond a call.)"""
     lib, rows = cpu_kernels(), x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    # The bf16 dot product takes bf16 rows as they are. The FMA path takes fp32 rows, widened here
-    # once (exactly), so that the kernel's broadcast of x[m, k] is a single load. Both walk k in
-    # pairs: an odd K gets a zero column (its weights are zero-padded too).
+    # The bf16 dot product (or AMX) takes bf16 rows as they are. The FMA path takes fp32 rows,
+    # widened here once (exactly), so that the kernel's broadcast of x[m, k] is a single load. Both
+    # walk k in pairs: an odd K gets a zero column (its weights are zero-padded too).
     w_type = C_TYPES[packed.dtype]
     assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
     dot = lib.bf16_dot and w_type == 1 and rows.dtype == torch.bfloat16
-    if gated and (rows.shape[1] % 32 or not (dot or rows.dtype == torch.float32)):
-        rows, gated = silu_mul(rows), False  # the kernel gates whole vectors, in x's own dtype
     if not dot and rows.dtype != torch.float32:
         rows = rows.float()
     if rows.shape[1] % 2:
@@ -350,20 +362,19 @@ def c_linear(x, packed, bias, out_features, gated=False):
     elif not rows.is_contiguous():
         rows = rows.contiguous()
     num_rows, threads = rows.shape[0], torch.get_num_threads()
-    in_features = rows.shape[1] // 2 if gated else rows.shape[1]
+    in_features = rows.shape[1]
     out = torch.empty(num_rows, out_features, dtype=x.dtype)
-    # Room for the gated rows, for x interleaved by row blocks (fp16 weights, up to 18 rows), then
-    # for prefill's K-blocks, per thread: 16-bit weights widened once per block, partial sums
-    # (cpu_kernels.c). (No room for x past 18 rows: a 2048-token chunk of a wide model's x would be
-    # 100 MB.)
+    # Room for x interleaved by row blocks (fp16 weights, up to 18 rows), then for prefill, per
+    # thread: a panel of 16-bit weights widened to fp32 (cpu_kernels.c). (No room for x past 18
+    # rows: a 2048-token chunk of a wide model's x would be 100 MB.)
     blocked = w_type and not dot and num_rows > 6
-    scratch = num_rows * in_features * (gated + (num_rows <= 18))
-    scratch += threads * (128 * 32 + num_rows * 16) if blocked else 0
+    scratch = num_rows * in_features * (num_rows <= 18)
+    scratch += threads * in_features * 16 if blocked else 0
     scratch = cpu_scratch(scratch).data_ptr()
     bias = None if bias is None else bias.data_ptr()
     dtypes = (dot, w_type, x.dtype == torch.bfloat16)
     args = (rows.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), num_rows, out_features)
-    lib.linear(*args, in_features, *dtypes, scratch, threads, gated)
+    lib.linear(*args, in_features, *dtypes, scratch, threads)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
@@ -511,14 +522,6 @@ def c_rotary(x, cos_sin):
     pointers = (x.data_ptr(), cos_sin.data_ptr(), out.data_ptr())
     cpu_kernels().rotary(*pointers, *x.shape, x.stride(0), x.dtype == torch.bfloat16)
     return out
-
-
-def silu_mul_linear(x, layer: "Linear"):
-    """linear(silu_mul(x), layer): an MLP's down projection of x [T, 2I] = [gate | up]. With the
-    C kernels one call, whose kernel computes silu(gate) * up as it first copies its rows."""
-    if layer.packed is not None:  # as in linear()
-        return c_linear(x, layer.packed, layer.bias, layer.out_features, gated=True)
-    return linear(silu_mul(x), layer)
 
 
 def silu_mul(x):
