@@ -49,7 +49,9 @@ context: AttentionContext | None = None
 # compiled on first use with the system's C compiler into the cache dir and called through ctypes.
 # Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead. The
 # /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (avx512_bf16:
-# -mavx512bf16). avx512bf16 adds the bf16 dot product to the linear layers.
+# -mavx512bf16, amx_tile: -mamx-tile). avx512bf16 adds the bf16 dot product to the linear layers;
+# amx (Intel Xeons since Sapphire Rapids) runs them on AMX's tiles instead, 16x the MACs an
+# instruction (cpu_kernels.c, "Intel AMX").
 ISA_NEEDS = {
     "amx": ["amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx2", "fma", "f16c"],
     "avx512bf16": ["avx512f", "avx512_bf16", "avx2", "fma", "f16c"],
@@ -60,7 +62,7 @@ ISA_NEEDS = {
 
 
 def cpu_isa() -> str:
-    """The widest ISA this CPU runs, or NANOSPEC_ISA (avx512bf16, avx512, avx2, generic): a big
+    """The widest ISA this CPU runs, or NANOSPEC_ISA (amx, avx512bf16, avx512, avx2, generic): a big
     CPU can behave like a small one (set ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA too, for
     torch's own kernels)."""
     forced = os.environ.get("NANOSPEC_ISA")
