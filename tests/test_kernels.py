@@ -433,6 +433,16 @@ def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
         assert kernels.cpu_isa() == isa and len(list(tmp_path.glob(f"cpu_kernels-{isa}-*.so"))) == 1
 
 
+def test_amx_refused_by_linux_runs_the_torch_path(monkeypatch):
+    """Where Linux gives no AMX tile state (kernels.amx_permitted), the amx build would die at its
+    first tile instruction: cpu_kernels() warns and the torch references run instead."""
+    monkeypatch.setenv("NANOSPEC_ISA", "amx")
+    monkeypatch.setattr(kernels, "amx_permitted", lambda: False)
+    rebuild_cpu_kernels(monkeypatch)
+    with pytest.warns(UserWarning, match="AMX"):
+        assert kernels.cpu_kernels() is None
+
+
 def test_auto_dtype_follows_the_hardware(monkeypatch):
     """--dtype auto: with the C kernels, bf16 on AVX512-BF16 (its dot product) and fp32
     activations elsewhere (weights packed fp16, use_linears); without them, bf16 where torch has
