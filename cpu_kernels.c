@@ -39,19 +39,18 @@ typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(2), may_alias)
 typedef uint32_t vu_u __attribute__((vector_size(LANES * 4), aligned(2), may_alias));
 typedef uint16_t vh_u __attribute__((vector_size(LANES * 2), aligned(2), may_alias));
 
-typedef union {  // an fp32's bits
-    float f;
-    uint32_t u;
-} bits32;
+// An fp32 and its bits as one-lane vectors: a cast between them keeps the bits
+typedef float f32x1 __attribute__((vector_size(4)));
+typedef uint32_t u32x1 __attribute__((vector_size(4)));
 
-static inline float to_f32(bf16 h) { return (bits32){.u = (uint32_t)h << 16}.f; }
+static inline float to_f32(bf16 h) { return ((f32x1)(u32x1){(uint32_t)h << 16})[0]; }
 
 static inline float get(const void *p, int64_t i, int is_bf16) {  // element i: fp32 or bf16
     return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u = (bits32){.f = f}.u;
+    uint32_t u = ((u32x1)(f32x1){f})[0];
     return (bf16)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
@@ -67,14 +66,10 @@ static inline vf load_vf(const void *p, const int type) {
     return (vf)(__builtin_convertvector(*(const vh_u *)p, vu) << 16);
 }
 
-static inline vf round_vf(vf v, int is_bf16) {  // to bf16's precision, nearest even (or kept)
-    vu u = (vu)v;
-    return is_bf16 ? (vf)((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16) : v;
-}
-
 static inline void store_vf(void *p, vf v, int is_bf16) {  // rounded to nearest even for bf16
+    vu u = (vu)v;
     if (is_bf16)
-        *(vh_u *)p = __builtin_convertvector((vu)round_vf(v, 1) >> 16, vh);
+        *(vh_u *)p = __builtin_convertvector((u + 0x7FFF + ((u >> 16) & 1)) >> 16, vh);
     else
         *(vf_u *)p = v;
 }
@@ -91,21 +86,14 @@ static inline float hsum(vf v) {
     return v[0];
 }
 
-static inline float hmax(vf v) {  // a max is exact in any order
-    float max = v[0];
-    for (int i = 1; i < LANES; i++) max = v[i] > max ? v[i] : max;
-    return max;
-}
-
 // e^x for x <= 0 (e^-inf = 0): 2^n * e^r, |r| <= ln2/2, rel. error ~1e-7
 static inline vf exp_vf(vf x) {
     vi dead = x < -87.0f;
     x = (vf)(((vi)x & ~dead) | ((vi)((vf){} - 87.0f) & dead));
     vf n = (x * 1.442695041f + 12582912.0f) - 12582912.0f;  // round to nearest integer
-    vf r = x - n * 0.693147181f;
-    vf p = (vf){} + 1.0f / 720;
-    const float taylor[] = {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    for (int i = 0; i < 6; i++) p = p * r + taylor[i];
+    vf r = x - n * 0.693147181f, p = {};
+    const float taylor[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 7; i++) p = p * r + taylor[i];  // (the first: 0 * r + 1/720 = 1/720)
     vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)((vi)(p * (vf)scale) & ~dead);
 }
@@ -184,24 +172,13 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 static inline __attribute__((always_inline)) void tile(const void *x, const char *w0,
                                                        const void *bias, void *y, int64_t m0,
                                                        int p0, int N, int64_t K2, const int R,
-                                                       const int wt, const int dot, int y_bf16) {
-    vf acc[MAX_ROWS * PV];  // acc[r * PV + v]
-    for (int i = 0; i < R * PV; i++) acc[i] = (vf){};
+                                                       const int wt, int y_bf16) {
+    vf acc[MAX_ROWS * PV] = {};                       // acc[r * PV + v]
     const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
     for (int64_t kp = 0; kp < K2; kp++) {
         const char *pair = w0 + kp * pair_bytes;
         for (int line = 0; line < pair_bytes; line += 64)
             __builtin_prefetch(pair + AHEAD * pair_bytes + line);
-#if defined(__AVX512BF16__)
-        if (dot) {  // x: bf16 rows, a pair of k per 32-bit word
-            __m512bh wk = (__m512bh)_mm512_loadu_si512(pair);
-            for (int r = 0; r < R; r++) {
-                int32_t xk = ((const int32_t *)x)[(m0 + r) * K2 + kp];
-                acc[r] = (vf)_mm512_dpbf16_ps((__m512)acc[r], (__m512bh)_mm512_set1_epi32(xk), wk);
-            }
-            continue;
-        }
-#endif
         for (int half = 0; half < 2; half++) {  // k = 2 kp, then 2 kp + 1: the chain's order
             vf wk[PV];
             for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, wt);
@@ -219,11 +196,12 @@ static inline __attribute__((always_inline)) void tile(const void *x, const char
 // Every row count a tile can have, each compiled as its own instance.
 #define ROWS(R)                                                                                    \
     case R:                                                                                        \
-        if (R <= MAX_ROWS) tile(x, w0, bias, y, m0, p0, N, K2, R, wt, dot, y_bf16);                \
+        if (R <= MAX_ROWS) tile(x, w0, bias, y, m0, p0, N, K2, R, wt, y_bf16);                     \
         break;
-static inline __attribute__((always_inline)) void
-tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
-          int64_t K2, int rows, const int wt, const int dot, int y_bf16) {
+static inline
+    __attribute__((always_inline)) void tile_rows(const void *x, const char *w0, const void *bias,
+                                                  void *y, int64_t m0, int p0, int N, int64_t K2,
+                                                  int rows, const int wt, int y_bf16) {
     switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
 }
 
@@ -242,17 +220,17 @@ static void widen_panel(const char *w, int64_t K2, float *out, int wt) {
 // the FMA path widens each panel once into `scratch` (K * 16 floats).
 static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
-              int first, int last, float *scratch, const int wt, const int dot, int y_bf16) {
-    int blocked = wt && !dot && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
+              int first, int last, float *scratch, const int wt, int y_bf16) {
+    int blocked = wt && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
     for (int p0 = first; p0 < last; p0++) {
         const char *w0 = (const char *)w + p0 * K2 * PANEL * (wt ? 4 : 8);
         if (blocked) widen_panel(w0, K2, scratch, wt);
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
             int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
             if (blocked)
-                tile_rows(x, (const char *)scratch, bias, y, m0, p0, N, K2, rows, 0, 0, y_bf16);
+                tile_rows(x, (const char *)scratch, bias, y, m0, p0, N, K2, rows, 0, y_bf16);
             else
-                tile_rows(x, w0, bias, y, m0, p0, N, K2, rows, wt, dot, y_bf16);
+                tile_rows(x, w0, bias, y, m0, p0, N, K2, rows, wt, y_bf16);
         }
     }
 }
@@ -263,63 +241,93 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 // dot product. Its sums round otherwise than vdpbf16ps's, but each output is still one fixed
 // chain, the k-blocks of 32 in order, of its own row and column alone (measured: a row in a tile
 // of 1 row gets the bits it gets among 16). So the AMX build takes it at every M, decode
-// included, wherever K is a multiple of 32 (a fact of the layer, never of the step). The bf16
-// packing is already tile B's layout: a pair of k in each 32-bit word, 16 columns a 64-byte row.
-// Tiles 0-3 hold the sums of 2 row blocks x 2 panels, 4-5 their x, 6-7 their weights: each x tile
-// and each weight tile loaded serves two products (one row block x one panel reached half the
-// speed at M=256). A row block is min(M, 16) rows; the last one starts at M - 16 and recomputes
-// rows the one before wrote (the same bits), and past the thread's last panel or row block the
-// tile repeats the last one: tile shapes stay one configuration a call. (Not inlined: inside
-// linear's parallel region it kept the FMA tiles' accumulators on the stack, 37 instructions for 12
-// FMAs instead of 19.)
+// included, wherever K is a multiple of 32 (a fact of the layer, never of the step).
+//
+// bf16 alone leaves the fp32 model's greedy output within a few tokens (BENCHMARKS.md, session
+// 21), so under --dtype auto (fp32 x, fp16 weights) each operand is split in two bf16 halves:
+// x = x_hi + x_lo (16 of fp32's 24 bits) and w = w_hi + w_lo (exact: fp16 has 11 bits) and each
+// block of 32 k adds x_hi w_hi, then x_lo w_hi, then x_hi w_lo (x_lo w_lo is below fp32's
+// rounding). Three products instead of one, from weights that stay fp16 in memory: decode reads
+// the bytes it read, greedy output stays with the fp32 model's, and prefill runs at twice the
+// FMA path's speed. The split of a weight is 4 instructions (a mask, a subtraction, a shift and an
+// or from the fp16 layout's pair of vectors), into a buffer of tile rows for 2 panels: a block of
+// 16 pairs of k in L1 just before its products for up to 16 rows (the next blocks prefetched),
+// the whole panel pair for more rows, which every row block then reads. bf16 x and weights
+// (--dtype bfloat16) take one product: their weights are tile rows as packed (a pair of k in each
+// 32-bit word, 16 columns a 64-byte row).
+//
+// Tiles 0-1 hold the sums of one row block x 2 panels, 4-5 x_hi and x_lo, 6-7 the panels'
+// weights. A row block is min(M, 16) rows; the last one starts at M - 16 and recomputes rows the
+// one before wrote (the same bits); past the thread's last panel the second panel repeats the
+// first: tile shapes stay one configuration a call. (Not inlined: inside linear's parallel region
+// it kept the FMA tiles' accumulators on the stack, 37 instructions for 12 FMAs instead of 19.)
+static void split_weights(const char *w0, const char *w1, int64_t pairs, vu *out) {
+    for (int64_t i = 0; i < 2 * pairs; i++) {  // out[pair][w0 hi, w1 hi, w0 lo, w1 lo][16]
+        const char *pair = (i % 2 ? w1 : w0) + i / 2 * 64;
+        __builtin_prefetch(pair + 32 * 64);  // 2 blocks ahead: decode would wait for memory
+        vu k0 = (vu)load_vf(pair, 2), k1 = (vu)load_vf(pair + 32, 2);
+        vu hi0 = k0 & 0xFFFF0000u, hi1 = k1 & 0xFFFF0000u;  // exact: the low bits go to lo
+        out[i / 2 * 4 + i % 2] = hi1 | hi0 >> 16;
+        out[i / 2 * 4 + 2 + i % 2] = (vu)((vf)k1 - (vf)hi1) | (vu)((vf)k0 - (vf)hi0) >> 16;
+    }
+}
+
 static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, const void *bias,
                                                  void *y, int64_t M, int N, int64_t K2, int first,
-                                                 int last, int y_bf16) {
-    float out[4][16 * 16] __attribute__((aligned(64)));
-    int rows = M < 16 ? (int)M : 16;
+                                                 int last, int split, int y_bf16, vu *own) {
+    float out[2][16 * 16] __attribute__((aligned(64)));
+    int rows = M < 16 ? (int)M : 16, stride = split ? 256 : 64;
     // palette 1; each tile's bytes a row (16-bit, from byte 16) and rows (from byte 48)
     uint8_t config[64] __attribute__((aligned(64))) = {1};
     for (int t = 0; t < 8; t++) config[16 + 2 * t] = 64, config[48 + t] = t < 6 ? rows : 16;
     _tile_loadconfig(config);
-    for (int p0 = first; p0 < last; p0 += 2)
-        for (int64_t m = 0; m < M; m += 32) {
-            int64_t m0 = m + rows > M ? M - rows : m, m1 = m0 + 16 + rows > M ? M - rows : m0 + 16;
-            int p1 = p0 + 1 < last ? p0 + 1 : p0;
+    for (int p0 = first; p0 < last; p0 += 2) {
+        const char *w0 = w + p0 * K2 * 64, *w1 = p0 + 1 < last ? w0 + K2 * 64 : w0;
+        for (int64_t m = 0; m < M; m += 16) {
+            int64_t m0 = m + rows > M ? M - rows : m;
             _tile_zero(0);
             _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
             for (int64_t kp = 0; kp < K2; kp += 16) {
+                const char *h0 = w0 + kp * 64, *h1 = w1 + kp * 64;  // bf16: the packed tile rows
+                if (split && !m) split_weights(h0, h1, 16, own + kp * 4);  // for every row block
+                if (split) h0 = (const char *)(own + kp * 4), h1 = h0 + 64;
                 _tile_loadd(4, x + 2 * (m0 * K2 + kp), 4 * K2);
-                _tile_loadd(6, w + (p0 * K2 + kp) * 64, 64);
-                _tile_loadd(7, w + (p1 * K2 + kp) * 64, 64);
+                _tile_loadd(6, h0, stride);
+                _tile_loadd(7, h1, stride);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
-                if (m1 == m0) continue;  // (decode and verify: one row block)
-                _tile_loadd(5, x + 2 * (m1 * K2 + kp), 4 * K2);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
+                if (!split) continue;
+                _tile_loadd(5, x + 2 * ((M + m0) * K2 + kp), 4 * K2);  // x_lo
+                _tile_dpbf16ps(0, 5, 6);
+                _tile_dpbf16ps(1, 5, 7);
+                _tile_loadd(6, h0 + 128, stride);  // w_lo
+                _tile_loadd(7, h1 + 128, stride);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
             }
             _tile_stored(0, out[0], 64);
             _tile_stored(1, out[1], 64);
-            _tile_stored(2, out[2], 64);
-            _tile_stored(3, out[3], 64);
-            for (int i = 0; i < (m1 == m0 ? 2 : 4); i++)
-                store_tile((vf *)out[i], bias, y, i < 2 ? m0 : m1, i % 2 ? p1 : p0, N, rows,
-                           y_bf16);
+            for (int i = 0; i < 1 + (w1 != w0); i++)  // (a repeated panel: stored once)
+                store_tile((vf *)out[i], bias, y, m0, p0 + i, N, rows, y_bf16);
         }
+    }
     _tile_release();  // (the kernel then saves no tile state at a context switch)
 }
 #endif
 
 // x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: the AVX512-BF16 dot product or
 // AMX, W bf16 too). W packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32
-// or bf16 (y_bf16).
+// or bf16 (y_bf16). scratch: K * 32 floats a thread, after M * K for x's copy (up to 18 rows, or
+// AMX's halves: kernels.c_linear).
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
             int x_bf16, int wt, int y_bf16, float *scratch, int threads) {
-    int num_panels = (N + PANEL - 1) / PANEL;
-    int64_t K2 = K / 2;
+    int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL;
     if (M == 0) return;  // (no tile shape has 0 rows)
+#ifdef __AMX_BF16__
+    int amx = K % 32 == 0 && (x_bf16 || wt == 2);  // fp32 x: split into halves, x_hi rows first
+#else
+    int amx = 0;
+#endif
     // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x
     // interleaved into `scratch` by blocks of MAX_ROWS rows (the last block: what is left), each
     // block [k][its rows], so that a tile reads all its rows' broadcasts through one pointer. With
@@ -327,10 +335,10 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     // instructions for 24 FMAs of the 6-row tile on avx2. Prefill's blocked tiles and the other
     // weight types read x in place (for prefill the copy cost more than it saved). One row is the
     // same either way.
-    int64_t interleaved_rows = M > 1 && wt == 2 && M <= 3 * MAX_ROWS ? M : 0;
-    float *interleaved = scratch;
-    const void *rows = interleaved_rows ? interleaved : x;
-    scratch += interleaved_rows * K;
+    int64_t copied_rows = amx ? M * !x_bf16 : M > 1 && wt == 2 && M <= 3 * MAX_ROWS ? M : 0;
+    float *copy = scratch;
+    const void *rows = copied_rows ? copy : x;
+    scratch += copied_rows * K;
     // Each thread owns an equal run of panels and walks every row through it: its weights stay in
     // its cache while the rows pass, and which thread computes an output never changes its value.
     // The interleaving before the tiles shares the threads too (one parallel region for both: a
@@ -338,24 +346,27 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 #pragma omp parallel num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
     {
 #pragma omp for collapse(2)
-        for (int64_t m0 = 0; m0 < interleaved_rows; m0 += MAX_ROWS)
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t r = 0, block = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS; r < block; r++)
-                    interleaved[m0 * K + k * block + r] = ((const float *)x)[(m0 + r) * K + k];
+        for (int64_t m = 0; m < copied_rows; m++)
+            for (int64_t k = 0; k < K; k++) {
+                float v = ((const float *)x)[m * K + k];
+                int64_t m0 = m - m % MAX_ROWS, block = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+                bf16 *half = (bf16 *)copy + m * K + k;  // x_hi (rounded as torch rounds), x_lo
+                if (amx)
+                    half[0] = to_bf16(v), half[M * K] = to_bf16(v - to_f32(half[0]));
+                else
+                    copy[m0 * K + k * block + m % MAX_ROWS] = v;
+            }
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int first = num_panels * t / n, last = num_panels * (t + 1) / n;
-        float *own = scratch ? scratch + t * K * PANEL : 0;  // see linear_panels
+        float *own = scratch ? scratch + t * K * 2 * PANEL : 0;  // see linear_panels, amx_panels
 #ifdef __AMX_BF16__
-        if (x_bf16 && K % 32 == 0)
-            amx_panels(rows, w, bias, y, M, N, K2, first, last, y_bf16);
+        if (amx)
+            amx_panels(rows, w, bias, y, M, N, K2, first, last, !x_bf16, y_bf16, (vu *)own);
         else
 #endif
-#define PANELS(WT, DOT) linear_panels(rows, w, bias, y, M, N, K2, first, last, own, WT, DOT, y_bf16)
-            // one instance per (weight type, dot product); fp16 only where F16C widens it
-            x_bf16            ? PANELS(1, 1)
-            : wt == 1         ? PANELS(1, 0)
-            : wt == 2 && F16C ? PANELS(2, 0)
-                              : PANELS(0, 0);
+#define PANELS(WT) linear_panels(rows, w, bias, y, M, N, K2, first, last, own, WT, y_bf16)
+            // one instance per weight type; fp16 only where F16C widens it
+            wt == 1 ? PANELS(1) : wt == 2 && F16C ? PANELS(2) : PANELS(0);
     }
 }
 
@@ -467,8 +478,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
        int64_t q_stride, int segment, int segments, int segment_keys, const int chunks,
        const int is_bf16, const int kv_type) {  // query t0 + i sees keys 0..num_keys + i - 1
     int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4, pairs = num_queries * group;
-    int kv_elem = kv_type ? 2 : 4;
-    int all_keys = num_keys + num_queries - 1;
+    int kv_elem = kv_type ? 2 : 4, all_keys = num_keys + num_queries - 1;
     vf qv[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES], acc[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES];
     vf keys[LANES][MAX_DIM / LANES], values[LANES][MAX_DIM / LANES];
     float max_score[QUERY_BLOCK * MAX_GROUP], total[QUERY_BLOCK * MAX_GROUP];
@@ -525,7 +535,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         // alpha: e^(old max - new max), 0 on the first chunk (e^-inf); by exp_vf, not libm's expf:
         // no call in the loop (attention 6-9% faster on avx2, session 17)
         for (int i = 0; i < active; i++) {
-            float chunk_max = hmax(p[i]);
+            float chunk_max = p[i][0];  // (a max is exact in any order)
+            for (int j = 1; j < LANES; j++) chunk_max = fmaxf(chunk_max, p[i][j]);
             // where the max holds, e^0: skipping the rescaling keeps the same bits
             alpha[i] = 1.0f;
             if (chunk_max > max_score[i])

@@ -48,13 +48,14 @@ context: AttentionContext | None = None
 # The CPU: which instruction set the C kernels are built for, and the build itself. cpu_kernels.c is
 # compiled on first use with the system's C compiler into the cache dir and called through ctypes.
 # Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead. The
-# /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (avx512_bf16:
-# -mavx512bf16, amx_tile: -mamx-tile). avx512bf16 adds the bf16 dot product to the linear layers;
-# amx (Intel Xeons since Sapphire Rapids) runs them on AMX's tiles instead, 16x the MACs an
-# instruction (cpu_kernels.c, "Intel AMX").
+# /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (amx_tile:
+# -mamx-tile). amx (Intel Xeons since Sapphire Rapids) runs the linear layers on AMX's tiles, 16x
+# the MACs of an AVX-512 FMA an instruction (cpu_kernels.c, "Intel AMX"). (AVX512-BF16's dot
+# product on its own, Zen 4-5's, has no build: --dtype auto keeps fp32 activations over fp16
+# weights, for which a split into bf16 halves would take 3 dot products where the FMA path takes
+# 2 FMAs; BENCHMARKS.md, session 21.)
 ISA_NEEDS = {
-    "amx": ["amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx2", "fma", "f16c"],
-    "avx512bf16": ["avx512f", "avx512_bf16", "avx2", "fma", "f16c"],
+    "amx": ["amx_tile", "amx_bf16", "avx512f", "avx2", "fma", "f16c"],
     "avx512": ["avx512f", "avx2", "fma", "f16c"],
     "avx2": ["avx2", "fma", "f16c"],
     "generic": [],
@@ -62,7 +63,7 @@ ISA_NEEDS = {
 
 
 def cpu_isa() -> str:
-    """The widest ISA this CPU runs, or NANOSPEC_ISA (amx, avx512bf16, avx512, avx2, generic): a big
+    """The widest ISA this CPU runs, or NANOSPEC_ISA (amx, avx512, avx2, generic): a big
     CPU can behave like a small one (set ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA too, for
     torch's own kernels)."""
     forced = os.environ.get("NANOSPEC_ISA")
@@ -91,12 +92,13 @@ def cpu_flags() -> set[str]:
 def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
     """--dtype auto: the activations' dtype. A GPU: the checkpoint's 16-bit dtype, else bf16.
 
-    A CPU with the C kernels and AVX512-BF16: bf16 (the dot product does twice the MACs of an
-    FMA, which makes verification and prefill cheap). Any other CPU with the C kernels: float32
-    activations, residual stream and KV cache, with every linear's weights packed in 16 bits
-    (auto_weight_dtype). The FMA path widens x to fp32 anyway and reads the same 16-bit weights,
-    so this costs little speed, while greedy output stays as close to the fp32 model as
-    llama.cpp's F16 (bf16 activations left it after a few tokens: BENCHMARKS.md, session 12).
+    A CPU with the C kernels: float32 activations, residual stream and KV cache, with every
+    linear's weights packed in 16 bits (auto_weight_dtype), whatever the ISA. The FMA path widens x
+    to fp32 anyway and reads the same 16-bit weights, so this costs little speed; AMX splits x and
+    the weights into bf16 halves (3 tile products instead of 1). Greedy output stays as close to
+    the fp32 model as llama.cpp's F16: bf16 activations or bf16 weights left it within a few tokens
+    (agreement with transformers fp32 on 24 MT-bench questions, 128 tokens, on an AMX Xeon: bf16
+    0.37, fp32 activations over bf16 weights 0.80, this 0.97; BENCHMARKS.md, session 21).
     Without the C kernels: bf16 where torch has bf16 instructions, else fp32 (on an AVX2 CPU
     torch's bf16 matmul is ~5x slower than fp32)."""
     if torch.device(device).type != "cpu":
@@ -106,7 +108,7 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
             else torch.bfloat16
         )
     if cpu_kernels() is not None:
-        return torch.bfloat16 if cpu_kernels().bf16_dot else torch.float32
+        return torch.float32
     native_bf16 = not os.environ.get("NANOSPEC_ISA") and {"avx512_bf16", "amx_bf16"} & cpu_flags()
     return torch.bfloat16 if native_bf16 else torch.float32
 
@@ -175,8 +177,7 @@ def cpu_kernels():
             )
             return None
     lib = ctypes.CDLL(str(library))
-    # AMX builds have AVX512-BF16 too; fp16 weights need F16C
-    lib.bf16_dot, lib.f16c = isa in ("amx", "avx512bf16"), isa != "generic"
+    lib.amx, lib.f16c = isa == "amx", isa != "generic"  # fp16 weights need F16C
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
@@ -351,13 +352,15 @@ def c_linear(x, packed, bias, out_features):
     per call. (A decode step makes ~120 of these calls, so the wrapper does only what the kernel
     needs: each tensor op here, even a view, costs about a microsecond a call.)"""
     lib, rows = cpu_kernels(), x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    # The bf16 dot product (or AMX) takes bf16 rows as they are. The FMA path takes fp32 rows,
-    # widened here once (exactly), so that the kernel's broadcast of x[m, k] is a single load. Both
-    # walk k in pairs: an odd K gets a zero column (its weights are zero-padded too).
-    w_type = C_TYPES[packed.dtype]
+    # AMX, wherever K (padded) is a multiple of 32, takes bf16 rows over bf16 weights as they are,
+    # and fp32 rows over fp16 weights, which it splits itself (cpu_kernels.c, "Intel AMX"). The FMA
+    # path takes fp32 rows, widened here once (exactly), so that the kernel's broadcast of x[m, k]
+    # is a single load. Both walk k in pairs: an odd K gets a zero column (its weights are
+    # zero-padded too).
+    w_type, amx = C_TYPES[packed.dtype], lib.amx and packed.shape[1] % 16 == 0
     assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
-    dot = lib.bf16_dot and w_type == 1 and rows.dtype == torch.bfloat16
-    if not dot and rows.dtype != torch.float32:
+    x_bf16 = amx and w_type == 1 and rows.dtype == torch.bfloat16
+    if not x_bf16 and rows.dtype != torch.float32:
         rows = rows.float()
     if rows.shape[1] % 2:
         rows = F.pad(rows, (0, 1))
@@ -366,15 +369,16 @@ def c_linear(x, packed, bias, out_features):
     num_rows, threads = rows.shape[0], torch.get_num_threads()
     in_features = rows.shape[1]
     out = torch.empty(num_rows, out_features, dtype=x.dtype)
-    # Room for x interleaved by row blocks (fp16 weights, up to 18 rows), then for prefill, per
-    # thread: a panel of 16-bit weights widened to fp32 (cpu_kernels.c). (No room for x past 18
-    # rows: a 2048-token chunk of a wide model's x would be 100 MB.)
-    blocked = w_type and not dot and num_rows > 6
-    scratch = num_rows * in_features * (num_rows <= 18)
-    scratch += threads * in_features * 16 if blocked else 0
+    # Room for x interleaved by row blocks (fp16 weights, up to 18 rows) or split in two bf16
+    # halves (AMX over fp16 weights), then per thread: a panel of 16-bit weights widened to fp32 for
+    # prefill, or a panel pair's weights split (cpu_kernels.c). (No room for x past 18 rows but
+    # AMX's: a 2048-token chunk of a wide model's x would be 100 MB.)
+    blocked = w_type and not x_bf16 and num_rows > 6
+    scratch = num_rows * in_features * (num_rows <= 18 or amx)
+    scratch += threads * in_features * 32 if blocked or amx else 0
     scratch = cpu_scratch(scratch).data_ptr()
     bias = None if bias is None else bias.data_ptr()
-    dtypes = (dot, w_type, x.dtype == torch.bfloat16)
+    dtypes = (x_bf16, w_type, x.dtype == torch.bfloat16)
     args = (rows.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), num_rows, out_features)
     lib.linear(*args, in_features, *dtypes, scratch, threads)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)

@@ -259,20 +259,23 @@ def test_bf16_c_kernels_give_the_torch_paths_greedy_output(target, drafts, monke
     assert with_c == without_c
 
 
+@pytest.mark.parametrize("isa", ["avx2", "amx"])
 @pytest.mark.parametrize("draft", ["ngram", "draft"])
-def test_auto_dtype_without_bf16_dot_is_fp32_with_fp16_weights(target, drafts, monkeypatch, draft):
-    """--dtype auto on a CPU without AVX512-BF16 (here the AVX2 build): fp32 activations with
-    every linear's weights packed in fp16, and an fp16 KV cache. Speculation keeps its greedy
-    output, bit for bit, with lookahead across blocks, preemption and chunked prefill (which takes
-    the K-blocked path)."""
+def test_auto_dtype_is_fp32_with_fp16_weights(target, drafts, monkeypatch, draft, isa):
+    """--dtype auto on a CPU: fp32 activations with every linear's weights packed in fp16, and an
+    fp16 KV cache, on the AVX2 build (FMAs) and the AMX build (tiles over bf16 halves of x and
+    of the weights). Speculation keeps its greedy output, bit for bit, with lookahead across
+    blocks, preemption and chunked prefill (which takes the blocked path)."""
     import functools
 
     import kernels
 
-    monkeypatch.setenv("NANOSPEC_ISA", "avx2")
+    if not set(kernels.ISA_NEEDS[isa]) <= kernels.cpu_flags():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    monkeypatch.setenv("NANOSPEC_ISA", isa)
     monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
-    if kernels.cpu_isa() != "avx2" or kernels.cpu_kernels() is None:
-        pytest.skip("needs the C kernels' AVX2 build")
+    if kernels.cpu_kernels() is None:
+        pytest.skip(f"the C kernels' {isa} build did not build or load here")
 
     def run(**spec):
         llm = LLM(target[0], block_size=2, num_blocks=40, max_num_batched_tokens=24, **spec)

@@ -444,15 +444,15 @@ def test_amx_refused_by_linux_runs_the_torch_path(monkeypatch):
 
 
 def test_auto_dtype_follows_the_hardware(monkeypatch):
-    """--dtype auto: with the C kernels, bf16 on AVX512-BF16 (its dot product) and fp32
-    activations elsewhere (weights packed fp16, use_linears); without them, bf16 where torch has
-    bf16 instructions, fp32 on a CPU with neither (torch's bf16 matmul is slow there); a GPU keeps
-    a 16-bit checkpoint's dtype."""
+    """--dtype auto: with the C kernels, fp32 activations on every CPU (weights packed fp16,
+    use_linears), AMX's included; without them, bf16 where torch has bf16 instructions, fp32 on a
+    CPU with neither (torch's bf16 matmul is slow there); a GPU keeps a 16-bit checkpoint's
+    dtype."""
     assert kernels.auto_dtype(torch.float16, "cuda") == torch.float16
     assert kernels.auto_dtype(torch.float32, "cuda") == torch.bfloat16
-    for bf16_dot, want in ((True, torch.bfloat16), (False, torch.float32)):  # C kernels built
-        monkeypatch.setattr(kernels, "cpu_kernels", lambda d=bf16_dot: SimpleNamespace(bf16_dot=d))
-        assert kernels.auto_dtype(torch.float32, "cpu") == want
+    for amx in (True, False):  # C kernels built
+        monkeypatch.setattr(kernels, "cpu_kernels", lambda a=amx: SimpleNamespace(amx=a))
+        assert kernels.auto_dtype(torch.float32, "cpu") == torch.float32
     monkeypatch.setattr(kernels, "cpu_kernels", lambda: None)  # no C kernels
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "avx512_bf16"})
     assert kernels.auto_dtype(torch.float32, "cpu") == torch.bfloat16
