@@ -350,7 +350,7 @@ def best_of(fn, repeat: int = 5) -> float:
 
 
 def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[tuple[int, int]]:
-    """(instructions, FMAs) of each innermost loop with FMAs (or bf16 dot products) in the
+    """(instructions, FMAs) of each innermost loop with FMAs in the
     disassembly of `function`: a number that does not depend on how wide this machine's core is.
     A loop is a backward jump; innermost: no other loop inside it."""
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", library], capture_output=True)
@@ -367,7 +367,7 @@ def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[
         (a, b) for a, b in loops if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in loops)
     ]
     spans = [[op for _, op, _ in code[a : b + 1]] for a, b in inner]
-    counts = [(len(ops), sum(op.startswith(("vfmadd", "vdpbf16")) for op in ops)) for ops in spans]
+    counts = [(len(ops), sum(op.startswith("vfmadd") for op in ops)) for ops in spans]
     return [(instructions, fmas) for instructions, fmas in counts if fmas]
 
 

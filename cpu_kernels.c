@@ -7,7 +7,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#ifdef __F16C__  // (every build with AVX512-BF16 has it too)
+#ifdef __F16C__  // (every build with AMX has it too)
 #include <immintrin.h>
 #define F16C 1
 #else
@@ -102,14 +102,12 @@ static inline vf exp_vf(vf x) {
 // Linear: y[M, N] = x[M, K] W^T (+ bias). W is packed once at load time into panels of 16 output
 // columns (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows, K to an even
 // count), walked in pairs of k: fp32 w[panel][k / 2][2][16], bf16 w[panel][k / 2][16][2], a bf16
-// pair (k, k + 1) sharing one 32-bit word. The AVX512-BF16 dot product (and AMX, below) reads
-// that word as is; the FMA path widens its halves exactly with one shift (k) and one mask (k + 1),
-// so one load serves two k.
+// pair (k, k + 1) sharing one 32-bit word. AMX (below) reads that word as is; the FMA path widens
+// its halves exactly with one shift (k) and one mask (k + 1), so one load serves two k.
 //
 // Each output y[m, n] is one fixed chain from zero, then + bias: fp32 FMAs over k = 0..K-1 (x in
-// fp32), or, with AVX512-BF16 (x and W both bf16), one vdpbf16ps per pair of k (two exact products
-// added to the fp32 sum), twice the MACs per instruction. The chain never depends on M, the tile
-// shape or the thread count, so every row is bitwise the same whatever the step around it.
+// fp32), or AMX's tile products (below). The chain never depends on M, the tile shape or the
+// thread count, so every row is bitwise the same whatever the step around it.
 //
 // A tile of R rows x one panel keeps its R * PV accumulators in registers for the whole of K and
 // reads each weight once for its R rows: a decode or verify step (M <= 6) streams the weights from
@@ -237,24 +235,25 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 
 #ifdef __AMX_BF16__
 // Intel AMX (Xeons since Sapphire Rapids): one tdpbf16ps multiplies 16 rows x 32 k of bf16 x by
-// 32 k x 16 columns of bf16 weights into 16 x 16 fp32 sums: 16 times the MACs of an AVX512-BF16
-// dot product. Its sums round otherwise than vdpbf16ps's, but each output is still one fixed
-// chain, the k-blocks of 32 in order, of its own row and column alone (measured: a row in a tile
-// of 1 row gets the bits it gets among 16). So the AMX build takes it at every M, decode
-// included, wherever K is a multiple of 32 (a fact of the layer, never of the step).
+// 32 k x 16 columns of bf16 weights into 16 x 16 fp32 sums: 32 times the MACs of an AVX-512 FMA.
+// Each output is still one fixed chain, the k-blocks of 32 in order, of its own row and column
+// alone (measured: a row in a tile of 1 row gets the bits it gets among 16). So the AMX build takes
+// it at every M, decode included, wherever K is a multiple of 32 (a fact of the layer, never of the
+// step).
 //
 // bf16 alone leaves the fp32 model's greedy output within a few tokens (BENCHMARKS.md, session
 // 21), so under --dtype auto (fp32 x, fp16 weights) each operand is split in two bf16 halves:
 // x = x_hi + x_lo (16 of fp32's 24 bits) and w = w_hi + w_lo (exact: fp16 has 11 bits) and each
-// block of 32 k adds x_hi w_hi, then x_lo w_hi, then x_hi w_lo (x_lo w_lo is below fp32's
-// rounding). Three products instead of one, from weights that stay fp16 in memory: decode reads
-// the bytes it read, greedy output stays with the fp32 model's, and prefill runs at twice the
-// FMA path's speed. The split of a weight is 4 instructions (a mask, a subtraction, a shift and an
-// or from the fp16 layout's pair of vectors), into a buffer of tile rows for 2 panels: a block of
-// 16 pairs of k in L1 just before its products for up to 16 rows (the next blocks prefetched),
-// the whole panel pair for more rows, which every row block then reads. bf16 x and weights
-// (--dtype bfloat16) take one product: their weights are tile rows as packed (a pair of k in each
-// 32-bit word, 16 columns a 64-byte row).
+// block of 32 k adds x_hi w_hi, then x_lo w_hi, then x_hi w_lo (x_lo w_lo, ~2^-17 of a product,
+// is left out). Three products instead of one, from weights that stay fp16 in memory: decode
+// reads the bytes it read, greedy output stays with the fp32 model's, and prefill runs at twice
+// the FMA path's speed (BENCHMARKS.md, session 21). w_hi is w's top 16 bits (a mask), w_lo the
+// exact rest (a subtraction), each pair of k joined into a word (a shift and an or) from the fp16
+// layout's two vectors a pair. The first row block splits each block of 16 pairs of k just
+// before its products (while it is in L1; the blocks 2 ahead prefetched: without, decode waited
+// for memory), into a buffer of the whole panel pair that the other row blocks read. bf16 x and
+// weights (--dtype bfloat16) take one product: their weights are tile rows as packed (a pair of k
+// in each 32-bit word, 16 columns a 64-byte row).
 //
 // Tiles 0-1 hold the sums of one row block x 2 panels, 4-5 x_hi and x_lo, 6-7 the panels'
 // weights. A row block is min(M, 16) rows; the last one starts at M - 16 and recomputes rows the
@@ -315,10 +314,10 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
 }
 #endif
 
-// x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: the AVX512-BF16 dot product or
-// AMX, W bf16 too). W packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32
-// or bf16 (y_bf16). scratch: K * 32 floats a thread, after M * K for x's copy (up to 18 rows, or
-// AMX's halves: kernels.c_linear).
+// x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: AMX only, W bf16 too). W packed
+// fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32 or bf16 (y_bf16). scratch:
+// K * 32 floats a thread, after M * K for x's copy (up to 18 rows, or AMX's halves:
+// kernels.c_linear).
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
             int x_bf16, int wt, int y_bf16, float *scratch, int threads) {
     int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL;
@@ -445,8 +444,8 @@ void rotary(const void *x, const void *cos_sin, void *out, int tokens, int heads
 // multiple of 16.
 // A tree node (tree_pos set, one query per item) reads logical keys 0..tree_pos[t], the last
 // tree_width of them from the physical positions in its tree_keys row. q and out are fp32 or bf16;
-// the caches are q's dtype, or fp16 under fp32 queries (--dtype auto without a bf16 dot product:
-// half the bytes a long context reads).
+// the caches are q's dtype, or fp16 under fp32 queries (--dtype auto: half the bytes a long
+// context reads).
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define QUERY_BLOCK 8
