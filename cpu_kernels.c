@@ -250,8 +250,11 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 // the FMA path's speed (BENCHMARKS.md, session 21). w_hi is w's top 16 bits (a mask), w_lo the
 // exact rest (a subtraction), each pair of k joined into a word (a shift and an or) from the fp16
 // layout's two vectors a pair. The first row block splits each block of 16 pairs of k just
-// before its products (while it is in L1; the blocks 2 ahead prefetched: without, decode waited
-// for memory), into a buffer of the whole panel pair that the other row blocks read. bf16 x and
+// before its products (the blocks 2 ahead prefetched: without, decode waited for memory), into a
+// buffer of the whole panel pair that the other row blocks read, or, where it is the only row
+// block (decode, verify), into one block's 4 KB, which stays in L1 (M=1 15% faster than writing
+// through the whole panel's buffer; splitting the next block before this one's products measured
+// within the noise; BENCHMARKS.md, session 21). bf16 x and
 // weights (--dtype bfloat16) take one product: their weights are tile rows as packed (a pair of k
 // in each 32-bit word, 16 columns a 64-byte row).
 //
@@ -288,8 +291,9 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
             _tile_zero(1);
             for (int64_t kp = 0; kp < K2; kp += 16) {
                 const char *h0 = w0 + kp * 64, *h1 = w1 + kp * 64;  // bf16: the packed tile rows
-                if (split && !m) split_weights(h0, h1, 16, own + kp * 4);  // for every row block
-                if (split) h0 = (const char *)(own + kp * 4), h1 = h0 + 64;
+                vu *block = own + kp * 4 * (M > 16);  // (one row block: always the first)
+                if (split && !m) split_weights(h0, h1, 16, block);  // then read by every row block
+                if (split) h0 = (const char *)block, h1 = h0 + 64;
                 _tile_loadd(4, x + 2 * (m0 * K2 + kp), 4 * K2);
                 _tile_loadd(6, h0, stride);
                 _tile_loadd(7, h1, stride);
