@@ -334,21 +334,29 @@ def test_kv_cache_dtype(monkeypatch):
         (torch.float32, torch.float32),
         (torch.bfloat16, torch.bfloat16),
         (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
     ],
-    ids=["fp32", "bf16", "bf16-w"],
+    ids=["fp32", "bf16", "bf16-w", "fp16-w"],
 )
 @pytest.mark.parametrize(
     "rows,n,k", [(1, 37, 20), (5, 40, 33), (7, 96, 64), (300, 160, 576), (0, 16, 8)]
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_c_linear_matches_f_linear(rows, n, k, bias, x_dtype, w_dtype):
+    """fp32 rows over fp16 weights (--dtype auto) stay within 2e-4 of fp32 on every build: on AMX
+    (K a multiple of 32: one row block, and several) x and the weights are split into bf16 halves,
+    and a half left out would be ~1e-2 off."""
+    if w_dtype == torch.float16 and not kernels.cpu_kernels().f16c:
+        pytest.skip("fp16 weights need F16C, which the generic build does not assume")
     weight = (0.1 * torch.randn(n, k)).to(w_dtype)
     b = torch.randn(n).to(x_dtype) if bias else None
     x = torch.randn(rows, k).to(x_dtype)
     with nan_filled_outputs():
         got = kernels.c_linear(x, kernels.pack_weight(weight), b, n)
     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    torch.testing.assert_close(got.float(), want, **TOLERANCE[x_dtype])
+    fp16_w = w_dtype == torch.float16
+    tolerance = dict(atol=2e-4, rtol=2e-4) if fp16_w else TOLERANCE[x_dtype]
+    torch.testing.assert_close(got.float(), want, **tolerance)
 
 
 @needs_c_kernels
