@@ -50,7 +50,7 @@ context: AttentionContext | None = None
 # Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead. The
 # /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (amx_tile:
 # -mamx-tile). amx (Intel Xeons since Sapphire Rapids) runs the linear layers on AMX's tiles, 16x
-# the MACs of an AVX-512 FMA an instruction (cpu_kernels.c, "Intel AMX"). (AVX512-BF16's dot
+# the multiply-adds a cycle of AVX-512 FMAs (cpu_kernels.c, "Intel AMX"). (AVX512-BF16's dot
 # product on its own, Zen 4-5's, has no build: --dtype auto keeps fp32 activations over fp16
 # weights, for which a split into bf16 halves would take 3 dot products where the FMA path takes
 # 2 FMAs; BENCHMARKS.md, session 21.)
