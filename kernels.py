@@ -374,9 +374,9 @@ def c_linear(x, packed, bias, out_features):
     # halves (AMX over fp16 weights), then per thread: a panel of 16-bit weights widened to fp32 for
     # prefill, or a panel pair's weights split (cpu_kernels.c). (No room for x past 18 rows but
     # AMX's: a 2048-token chunk of a wide model's x would be 100 MB.)
-    blocked = w_type and not x_bf16 and num_rows > 6
-    scratch = num_rows * in_features * (num_rows <= 18 or amx)
-    scratch += threads * in_features * 32 if blocked or amx else 0
+    blocked, split = w_type and not x_bf16 and num_rows > 6, amx and w_type == 2
+    scratch = num_rows * in_features * (num_rows <= 18 or split)
+    scratch += threads * in_features * 32 if blocked or split else 0
     scratch = cpu_scratch(scratch).data_ptr()
     bias = None if bias is None else bias.data_ptr()
     dtypes = (x_bf16, w_type, x.dtype == torch.bfloat16)
