@@ -115,15 +115,15 @@ static inline vf exp_vf(vf x) {
 // side by side: each thread then reads a single sequential stream, and tiles of 2-4 panels
 // (more accumulators to hide the FMA latency) measured slower at every M on every build: M=1 8-17%
 // on AVX2, M=1-6 15-25% and prefill 10-13% on AVX-512 (BENCHMARKS.md, session 18). Up to 18 rows,
-// the row blocks of 6 re-read (from cache) and re-widen a thread's weights; beyond (prefill), each
-// panel of 16-bit weights is widened once into an fp32 buffer that every row block reads
-// (measured: direct wins below 19 rows, widened above; BENCHMARKS.md, session 12). The whole
-// panel, K x 16 floats (36-98 KB for the default model: L2), not blocks of 128 pairs of k in L1
-// with their partial sums stored between blocks: as fast on avx2 at M=256 (172-179 GFLOP/s in
-// blocks, 175-189 whole; BENCHMARKS.md, session 20), and 10 lines fewer. What makes it
-// fast is what the loop does not do: every shape and dtype is a compile-time constant (no flag
-// tests, no spilled row pointers), and x is fp32 before the call, so a broadcast is one load.
-// `bench.py kernels` counts the instructions per FMA of the inner loops.
+// the row blocks of 6 re-read (from L1, a chunk of K at a time: CHUNK below) and re-widen a
+// thread's weights; beyond (prefill), each panel of 16-bit weights is widened once into an fp32
+// buffer that every row block reads (measured: direct wins below 19 rows, widened above;
+// BENCHMARKS.md, session 12). The whole panel, K x 16 floats (36-98 KB for the default model: L2),
+// not chunks in L1: as fast on avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of k,
+// 175-189 whole; BENCHMARKS.md, session 20). What makes it fast is what the loop does not do:
+// every shape and dtype is a compile-time constant (no flag tests, no spilled row pointers), and
+// x is fp32 before the call, so a broadcast is one load. `bench.py kernels` counts the
+// instructions per FMA of the inner loops.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
 // The rows a tile takes: AVX2 keeps 6 rows x 2 vectors of accumulators in 12 of its 16 registers,
@@ -134,6 +134,15 @@ static inline vf exp_vf(vf x) {
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
 // on AVX2, session 10).
 #define AHEAD 32
+// A verify step of 7-18 rows (2-3 row blocks of 6) walks each panel in chunks of CHUNK pairs of k
+// (1 KB of fp16 weights), every row block through a chunk before the next chunk, the blocks'
+// accumulators kept in `sums` between chunks. The second block's pass then reads the chunk from L1
+// while the first block's prefetches keep the memory stream going; with each block walking the
+// whole panel, memory sat idle while the later blocks re-read it from cache. A T=9 forward
+// 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6 instead of 31.0-33.2 on avx512 (chunks of
+// 32 and 128 pairs measured between the two; BENCHMARKS.md, session 22). Storing and reloading
+// an fp32 sum keeps its bits: the chain is the same.
+#define CHUNK 16
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
 
@@ -152,9 +161,8 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
                               const int R, int y_bf16) {
     int elem = y_bf16 ? 2 : 4;
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < PV; v++) {
+        for (int v = 0; v < PV && p0 * PANEL + v * LANES < N; v++) {  // (not the zero padding)
             int n0 = p0 * PANEL + v * LANES;
-            if (n0 >= N) continue;  // zero padding of the last panel
             vf out = acc[r * PV + v];
             char *dst = (char *)y + ((m0 + r) * N + n0) * elem, tmp[LANES * 4];
             for (int j = 0; bias && j < LANES && n0 + j < N; j++)
@@ -164,16 +172,16 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
         }
 }
 
-// One tile: rows m0..m0+R-1, panel p0, every pair of k, with the panel's weights at w0. R and the
-// dtypes are constants in each instance (tile_rows), so the accumulators live in registers. It
-// adds the bias and writes y.
-static inline __attribute__((always_inline)) void tile(const void *x, const char *w0,
-                                                       const void *bias, void *y, int64_t m0,
-                                                       int p0, int N, int64_t K2, const int R,
-                                                       const int wt, int y_bf16) {
-    vf acc[MAX_ROWS * PV] = {};                       // acc[r * PV + v]
+// One tile: rows m0..m0+R-1, panel p0, the pairs of k kp0..kp1-1 (all of them, or a chunk), with
+// the panel's weights at w0. R and the dtypes are constants in each instance (tile_rows), so the
+// accumulators live in registers. After the last pair it adds the bias and writes y.
+static inline __attribute__((always_inline)) void
+tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
+     int64_t K2, int64_t kp0, int64_t kp1, vf_u *sums, const int R, const int wt, int y_bf16) {
+    vf acc[MAX_ROWS * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
+    for (int i = 0; i < R * PV; i++) acc[i] = kp0 ? (vf)sums[i] : (vf){};
     const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
-    for (int64_t kp = 0; kp < K2; kp++) {
+    for (int64_t kp = kp0; kp < kp1; kp++) {
         const char *pair = w0 + kp * pair_bytes;
         for (int line = 0; line < pair_bytes; line += 64)
             __builtin_prefetch(pair + AHEAD * pair_bytes + line);
@@ -188,18 +196,18 @@ static inline __attribute__((always_inline)) void tile(const void *x, const char
             }
         }
     }
-    store_tile(acc, bias, y, m0, p0, N, R, y_bf16);
+    for (int i = 0; kp1 < K2 && i < R * PV; i++) sums[i] = acc[i];  // to go on from kp1
+    if (kp1 == K2) store_tile(acc, bias, y, m0, p0, N, R, y_bf16);
 }
 
 // Every row count a tile can have, each compiled as its own instance.
 #define ROWS(R)                                                                                    \
     case R:                                                                                        \
-        if (R <= MAX_ROWS) tile(x, w0, bias, y, m0, p0, N, K2, R, wt, y_bf16);                     \
+        if (R <= MAX_ROWS) tile(x, w0, bias, y, m0, p0, N, K2, kp0, kp1, sums, R, wt, y_bf16);     \
         break;
-static inline
-    __attribute__((always_inline)) void tile_rows(const void *x, const char *w0, const void *bias,
-                                                  void *y, int64_t m0, int p0, int N, int64_t K2,
-                                                  int rows, const int wt, int y_bf16) {
+static inline __attribute__((always_inline)) void
+tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
+          int64_t K2, int64_t kp0, int64_t kp1, vf_u *sums, int rows, const int wt, int y_bf16) {
     switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
 }
 
@@ -220,16 +228,19 @@ static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, int y_bf16) {
     int blocked = wt && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
+    int64_t chunk = M > MAX_ROWS && M <= 3 * MAX_ROWS ? CHUNK : K2;
+    vf_u sums[3 * MAX_ROWS * PV];  // the row blocks' accumulators between chunks
     for (int p0 = first; p0 < last; p0++) {
         const char *w0 = (const char *)w + p0 * K2 * PANEL * (wt ? 4 : 8);
         if (blocked) widen_panel(w0, K2, scratch, wt);
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
-            if (blocked)
-                tile_rows(x, (const char *)scratch, bias, y, m0, p0, N, K2, rows, 0, y_bf16);
-            else
-                tile_rows(x, w0, bias, y, m0, p0, N, K2, rows, wt, y_bf16);
-        }
+        for (int64_t kp0 = 0; kp0 < K2; kp0 += chunk)
+            for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+                int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+                int64_t kp1 = kp0 + chunk < K2 ? kp0 + chunk : K2;
+#define TILES(W, WT)                                                                               \
+    tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + m0 * PV, rows, WT, y_bf16)
+                blocked ? TILES((const char *)scratch, 0) : TILES(w0, wt);
+            }
     }
 }
 
@@ -632,12 +643,9 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
 #define ATTEND_TYPES(CHUNKS)                                                                       \
     (is_bf16 ? ATTEND(CHUNKS, 1, 1) : kv_type == 2 ? ATTEND(CHUNKS, 0, 2) : ATTEND(CHUNKS, 0, 0))
         // the common shapes get constant loop bounds and types
-        if (head_dim == 64)
-            ATTEND_TYPES(64 / LANES);
-        else if (head_dim == 128)
-            ATTEND_TYPES(128 / LANES);
-        else
-            ATTEND(head_dim / LANES, is_bf16, kv_type);
+        head_dim == 64    ? ATTEND_TYPES(64 / LANES)
+        : head_dim == 128 ? ATTEND_TYPES(128 / LANES)
+                          : ATTEND(head_dim / LANES, is_bf16, kv_type);
     }
     // Each query head's segments merged in order, from the first: the same arithmetic whichever
     // items computed them (one segment: out = acc / total, as with no segments at all).

@@ -13,7 +13,7 @@ from test_kernels import make_paged_batch
 
 import kernels
 
-ROW_COUNTS = [1, 2, 3, 5, 9, 33, 300]
+ROW_COUNTS = [1, 2, 3, 5, 9, 13, 33, 300]
 ISAS = ["amx", "avx512", "avx2", "generic"]
 
 
@@ -49,7 +49,7 @@ def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
     ],
     ids=["fp32", "bf16", "bf16-w", "fp16-w"],
 )
-@pytest.mark.parametrize("n,k", [(576, 576), (96, 1536), (37, 21), (40, 64)])
+@pytest.mark.parametrize("n,k", [(576, 576), (96, 1536), (37, 21), (40, 64), (24, 100)])
 def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     """Every M walks the same chain: decode's 1 row, verify's few (one pass over the weights),
     prefill's many (each panel of 16-bit weights widened once; on AMX, tiles of up to 16 rows over
