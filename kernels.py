@@ -64,8 +64,8 @@ ISA_NEEDS = {
 
 def cpu_isa() -> str:
     """The widest ISA this CPU runs, or NANOSPEC_ISA (amx, avx512, avx2, generic): a big
-    CPU can behave like a small one (set ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA too, for
-    torch's own kernels)."""
+    CPU can behave like a small one (set ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and
+    MKL_ENABLE_INSTRUCTIONS too, for torch's own kernels)."""
     forced = os.environ.get("NANOSPEC_ISA")
     if forced and forced not in ISA_NEEDS:
         raise ValueError(f"NANOSPEC_ISA={forced!r}: choose from {', '.join(ISA_NEEDS)}")
