@@ -140,8 +140,8 @@ static inline vf exp_vf(vf x) {
 // while the first block's prefetches keep the memory stream going; with each block walking the
 // whole panel, memory sat idle while the later blocks re-read it from cache. A T=9 forward
 // 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6 instead of 31.0-33.2 on avx512 (chunks of
-// 32 and 128 pairs measured between the two; BENCHMARKS.md, session 22). Storing and reloading
-// an fp32 sum keeps its bits: the chain is the same.
+// 8 to 128 pairs measured no faster; BENCHMARKS.md, session 22). Storing and reloading an fp32
+// sum keeps its bits: the chain is the same.
 #define CHUNK 16
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
