@@ -411,7 +411,7 @@ def bench_kernels(argv=None):
         f"of the same bytes: {weight_bytes / plain_read / 1e9:.1f} GB/s"
     )
     fp32_weights = [torch.randn(m.out_features, m.in_features) for m in linears]
-    bf16_native = kernels.cpu_kernels().amx  # (not under NANOSPEC_ISA=avx2)
+    bf16_native = kernels.torch_bf16_native()  # (AVX512-BF16 without AMX too: Zen 4-5)
     for rows in (64, 256):
         flop = 2 * rows * macs
         ours = best_of(run_linears(rows), 3)

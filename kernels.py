@@ -109,8 +109,13 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
         )
     if cpu_kernels() is not None:
         return torch.float32
-    native_bf16 = not os.environ.get("NANOSPEC_ISA") and {"avx512_bf16", "amx_bf16"} & cpu_flags()
-    return torch.bfloat16 if native_bf16 else torch.float32
+    return torch.bfloat16 if torch_bf16_native() else torch.float32
+
+
+def torch_bf16_native() -> bool:
+    """Whether torch's own bf16 ops run on bf16 instructions here (AVX512-BF16 or AMX: oneDNN's
+    GEMMs), and no NANOSPEC_ISA makes this CPU act as a smaller one."""
+    return not os.environ.get("NANOSPEC_ISA") and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def auto_weight_dtype(weight: torch.Tensor) -> torch.dtype:
