@@ -330,12 +330,22 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
 }
 #endif
 
+// The MLP's gating, for the down projection's rows (linear's `gated`): silu(g) u for LANES of
+// rows [g | u] of 2K (g at p, u at p + K), silu(g) = g / (1 + e^-g), or g e^g / (1 + e^g) below 0
+// (exp_vf takes x <= 0). One formula for every row at every M, like torch's (not bit for bit the
+// same as torch's: within an ulp or two).
+static inline vf silu_mul_vf(const float *p, int64_t K) {
+    vf g = load_vf(p, 0), e = exp_vf((vf)((vu)g | 0x80000000u)), one = splat(1.0f);  // e^-|g|
+    vi below = g < 0;
+    return g * (vf)((below & (vi)e) | (~below & (vi)one)) / (one + e) * load_vf(p + K, 0);
+}
+
 // x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: AMX only, W bf16 too). W packed
 // fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32 or bf16 (y_bf16). scratch:
 // K * 32 floats a thread, after M * K for x's copy (up to 18 rows, or AMX's halves:
 // kernels.c_linear).
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
-            int x_bf16, int wt, int y_bf16, float *scratch, int threads) {
+            int x_bf16, int wt, int y_bf16, float *scratch, int threads, int gated) {
     int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL;
     if (M == 0) return;  // (no tile shape has 0 rows)
 #ifdef __AMX_BF16__
@@ -350,7 +360,8 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     // instructions for 24 FMAs of the 6-row tile on avx2. Prefill's blocked tiles and the other
     // weight types read x in place (for prefill the copy cost more than it saved). One row is the
     // same either way.
-    int64_t copied_rows = amx ? M * !x_bf16 : M > 1 && wt == 2 && M <= 3 * MAX_ROWS ? M : 0;
+    int interleaved = !amx && wt == 2 && M <= 3 * MAX_ROWS;
+    int64_t copied_rows = amx ? M * !x_bf16 : (M > 1 && interleaved) || gated ? M : 0;
     float *copy = scratch;
     const void *rows = copied_rows ? copy : x;
     scratch += copied_rows * K;
@@ -362,14 +373,18 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     {
 #pragma omp for collapse(2)
         for (int64_t m = 0; m < copied_rows; m++)
-            for (int64_t k = 0; k < K; k++) {
-                float v = ((const float *)x)[m * K + k];
-                int64_t m0 = m - m % MAX_ROWS, block = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
-                bf16 *half = (bf16 *)copy + m * K + k;  // x_hi (rounded as torch rounds), x_lo
-                if (amx)
-                    half[0] = to_bf16(v), half[M * K] = to_bf16(v - to_f32(half[0]));
-                else
-                    copy[m0 * K + k * block + m % MAX_ROWS] = v;
+            for (int64_t k0 = 0; k0 < K; k0 += gated ? LANES : 1) {
+                vf v = gated ? silu_mul_vf((const float *)x + m * 2 * K + k0, K)
+                             : splat(((const float *)x)[m * K + k0]);
+                for (int64_t k = k0; k < k0 + (gated ? LANES : 1); k++) {
+                    int64_t m0 = m - m % MAX_ROWS, block = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+                    bf16 *half = (bf16 *)copy + m * K + k;  // x_hi (rounded as torch rounds), x_lo
+                    float value = v[k - k0];
+                    if (amx)
+                        half[0] = to_bf16(value), half[M * K] = to_bf16(value - to_f32(half[0]));
+                    else
+                        copy[interleaved ? m0 * K + k * block + m % MAX_ROWS : m * K + k] = value;
+                }
             }
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int first = num_panels * t / n, last = num_panels * (t + 1) / n;
@@ -422,28 +437,6 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
         float inv = 1.0f / sqrtf(sum_sq / hidden + eps);
         for (int i = 0; i < hidden; i++)
             put(out, at + i, rounded(row[i] * inv, is_bf16) * get(weight, i, is_bf16), is_bf16);
-    }
-}
-
-// Neox rotary of x [T, H, D] (row stride stride_x; heads contiguous) with cos_sin [T, D] = [cos |
-// sin], into out [T, H, D], rounded like torch_rotary: each product rounded, then their
-// difference/sum.
-void rotary(const void *x, const void *cos_sin, void *out, int tokens, int heads, int head_dim,
-            int64_t stride_x, int is_bf16) {
-    int half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (tokens > 16)
-    for (int t = 0; t < tokens; t++) {
-        int64_t cos = (int64_t)t * head_dim, sin = cos + half;
-        for (int h = 0; h < heads; h++) {
-            int64_t x1 = t * stride_x + (int64_t)h * head_dim, x2 = x1 + half;
-            int64_t o = ((int64_t)t * heads + h) * head_dim;
-            for (int i = 0; i < half; i++) {
-                float c = get(cos_sin, cos + i, is_bf16), s = get(cos_sin, sin + i, is_bf16);
-                float a = get(x, x1 + i, is_bf16), b = get(x, x2 + i, is_bf16);
-                put(out, o + i, rounded(a * c, is_bf16) - rounded(b * s, is_bf16), is_bf16);
-                put(out, o + i + half, rounded(b * c, is_bf16) + rounded(a * s, is_bf16), is_bf16);
-            }
-        }
     }
 }
 
@@ -598,14 +591,24 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     const int64_t stride[3] = {block_stride, slot_stride, head_stride};  // the caches', in elements
     // With this step's v [T, Hkv, D] (row stride v_stride; q's dtype), q holds its keys too, after
-    // the query heads: [T, Hq + Hkv, D]. Where cos_sin is given, both are rotated first (into
-    // `rotated`); the keys and values then go into their slots, rounded to the cache's type
-    // (kernels.store_kv's contract). One call a layer instead of rotary, store_kv and attention.
-    if (cos_sin) {
-        rotary(q, cos_sin, rotated, num_tokens, num_heads + num_kv_heads, head_dim, q_stride,
-               is_bf16);
-        q = rotated, q_stride = (int64_t)(num_heads + num_kv_heads) * head_dim;
-    }
+    // the query heads: [T, Hq + Hkv, D]. Where cos_sin [T, D] = [cos | sin] is given, both are
+    // rotated first (neox rotary, into `rotated`), rounded like torch_rotary: each product
+    // rounded, then their difference or sum. The keys and values then go into their slots,
+    // rounded to the cache's type (kernels.store_kv's contract). One call a layer instead of
+    // rotary, store_kv and attention.
+    int heads = num_heads + num_kv_heads, half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (num_tokens > 16)
+    for (int t = 0; t < (cos_sin ? num_tokens : 0); t++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int i = 0; i < half; i++) {
+                int64_t at = t * q_stride + h * head_dim + i, cos = (int64_t)t * head_dim + i;
+                float c = get(cos_sin, cos, is_bf16), s = get(cos_sin, cos + half, is_bf16);
+                float a = get(q, at, is_bf16), b = get(q, at + half, is_bf16);
+                int64_t o = (t * heads + h) * head_dim + i;
+                put(rotated, o, rounded(a * c, is_bf16) - rounded(b * s, is_bf16), is_bf16);
+                put(rotated, o + half, rounded(b * c, is_bf16) + rounded(a * s, is_bf16), is_bf16);
+            }
+    if (cos_sin) q = rotated, q_stride = (int64_t)heads * head_dim;
     for (int t = 0; v && t < num_tokens; t++)
         for (int64_t i = 0; i < (int64_t)num_kv_heads * head_dim; i++) {
             int64_t slot = slot_mapping[t] / block_size * block_stride + i % head_dim;

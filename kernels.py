@@ -185,12 +185,11 @@ def cpu_kernels():
     lib = ctypes.CDLL(str(library))
     lib.amx, lib.f16c = isa == "amx", isa != "generic"  # fp16 weights need F16C
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32]
+    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
     lib.paged_attention.argtypes += [i64, ptr, i64, ptr, ptr, ptr]  # rotary's and store_kv's
     lib.paged_attention.argtypes += [ptr, i32, i64, i64, i64]  # per-segment sums; cache strides
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32, i32]
-    lib.rotary.argtypes = [ptr] * 3 + [i32] * 3 + [i64, i32]
     return lib
 
 
@@ -230,14 +229,6 @@ def rms_norm(x, weight, eps, residual=None):
     )
 
 
-# Elementwise ops have no Triton kernel: each output element is one fixed formula of its inputs, so
-# torch is row-invariant for them on CUDA too. On a CPU the C kernel replaces torch's chain of
-# small ops with one call.
-def rotary(x, cos_sin):
-    c_fits = x.dtype == cos_sin.dtype
-    return pick(x, torch_rotary, c_rotary if c_fits else None, torch_rotary)(x, cos_sin)
-
-
 def attention(qkv, cos_sin, k_cache, v_cache, scale):
     """What a model's attention layer calls, with this step's query, key and value heads side by
     side in each row of qkv [T, (Hq + 2 Hkv) * D]: rotate q and k (cos_sin [T, D] at the tokens'
@@ -257,7 +248,9 @@ def attention(qkv, cos_sin, k_cache, v_cache, scale):
     if fn is c_paged_attention:  # which rotates and stores them itself: one call, not six ops
         return fn(qkv, k_cache, v_cache, scale, context, fused=True, cos_sin=cos_sin)
     q_k, v = qkv.view(len(qkv), -1, head_dim).split((num_heads + num_kv_heads, num_kv_heads), 1)
-    rotated = q_k if cos_sin is None else rotary(q_k, cos_sin)
+    # (rotary is elementwise, one fixed formula an element: torch's is row-invariant on every
+    # device; where the C call runs, it rotates itself)
+    rotated = q_k if cos_sin is None else torch_rotary(q_k, cos_sin)
     q, k = rotated.split((num_heads, num_kv_heads), dim=1)
     store_kv(k, v, k_cache, v_cache, context.slot_mapping)
     return fn(q, k_cache, v_cache, scale, context).flatten(1)
@@ -353,7 +346,21 @@ def torch_linear(x, weight, bias=None):
 C_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_kernels.c's type codes
 
 
-def c_linear(x, packed, bias, out_features):
+def silu_mul_linear(x, layer: "Linear"):
+    """The MLP's down projection of silu(gate) * up, x = [gate | up] (2I a multiple of 32: whole
+    vectors). Where the C linear runs with fp32 rows, it gates them itself as it copies them, at
+    every M (one formula a row), instead of three torch ops between two C calls. Those ops cost
+    5-7 us alone but ~45 us in a forward, where they run right after the gate_up projection has
+    streamed 3.5 MB of weights through the caches and evicted what torch's dispatch reads (the
+    next op after any large linear pays the same: ~20 us instead of ~3). Measured in one process,
+    fused against unfused, default model, context 100: T=1 17.3 -> 15.9 ms, T=9 27.3 -> 25.8
+    on avx2; T=1 -4%, T=5 and T=9 -7 to -8%, prefill -8% on AMX (BENCHMARKS.md, session 23)."""
+    if layer.packed is not None and x.dtype == torch.float32 and x.shape[-1] % 32 == 0:
+        return c_linear(x, layer.packed, layer.bias, layer.out_features, gated=True)
+    return linear(silu_mul(x), layer)
+
+
+def c_linear(x, packed, bias, out_features, gated=False):
     """cpu_kernels.c's linear: each output one fixed fp32 chain over k, the weights streamed once
     per call. (A decode step makes ~120 of these calls, so the wrapper does only what the kernel
     needs: each tensor op here, even a view, costs about a microsecond a call.)"""
@@ -373,20 +380,20 @@ def c_linear(x, packed, bias, out_features):
     elif not rows.is_contiguous():
         rows = rows.contiguous()
     num_rows, threads = rows.shape[0], torch.get_num_threads()
-    in_features = rows.shape[1]
+    in_features = rows.shape[1] // (1 + gated)
     out = torch.empty(num_rows, out_features, dtype=x.dtype)
     # Room for x interleaved by row blocks (fp16 weights, up to 18 rows) or split in two bf16
     # halves (AMX over fp16 weights), then per thread: a panel of 16-bit weights widened to fp32 for
     # prefill, or a panel pair's weights split (cpu_kernels.c). (No room for x past 18 rows but
     # AMX's: a 2048-token chunk of a wide model's x would be 100 MB.)
     blocked, split = w_type and not x_bf16 and num_rows > 6, amx and w_type == 2
-    scratch = num_rows * in_features * (num_rows <= 18 or split)
+    scratch = num_rows * in_features * (num_rows <= 18 or split or gated)
     scratch += threads * in_features * 32 if blocked or split else 0
     scratch = cpu_scratch(scratch).data_ptr()
     bias = None if bias is None else bias.data_ptr()
     dtypes = (x_bf16, w_type, x.dtype == torch.bfloat16)
     args = (rows.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), num_rows, out_features)
-    lib.linear(*args, in_features, *dtypes, scratch, threads)
+    lib.linear(*args, in_features, *dtypes, scratch, threads, gated)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
@@ -525,20 +532,9 @@ def torch_rotary(x, cos_sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def c_rotary(x, cos_sin):
-    """cpu_kernels.c's rotary; same contract as torch_rotary (fp32 or bf16, CPU)."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        x = x.contiguous()
-    out = x.new_empty(x.shape)
-    cos_sin = cos_sin.contiguous()  # (kept alive through the call)
-    pointers = (x.data_ptr(), cos_sin.data_ptr(), out.data_ptr())
-    cpu_kernels().rotary(*pointers, *x.shape, x.stride(0), x.dtype == torch.bfloat16)
-    return out
-
-
 def silu_mul(x):
     """x: [T, 2I] = [gate | up] -> silu(gate) * up. Elementwise: the torch op serves every
-    device (a C kernel measured no faster: 5.3 against 5.7 us at T=1, session 15)."""
+    device (on a CPU with the C kernels, silu_mul_linear gates inside the down projection)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -141,6 +141,19 @@ def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype)
     return q, k_cache, v_cache, head_dim**-0.5, ctx
 
 
+def c_rotary(q_k, cos_sin):
+    """The C attention call's rotary, read back: the heads of q_k [T, H, D] as both the query and
+    the key heads of a call over one sequence of T tokens (every head goes through the same loop),
+    the rotated keys from the cache it stores them in (q_k's dtype: as they were rotated)."""
+    num_tokens, heads, head_dim = q_k.shape
+    seqs = [(num_tokens, num_tokens)]
+    _, k_cache, v_cache, _, ctx = make_paged_batch(seqs, 1, heads, heads, head_dim, q_k.dtype)
+    ctx.slot_mapping = ctx.block_tables[0, :num_tokens].long()  # block size 1: slot = block
+    qkv = torch.cat([q_k, q_k, q_k], dim=1).flatten(1)
+    kernels.c_paged_attention(qkv, k_cache, v_cache, 1.0, ctx, fused=True, cos_sin=cos_sin)
+    return k_cache[ctx.slot_mapping, 0]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(
@@ -280,9 +293,10 @@ def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(
 ):
     """Given this step's q, k and v heads side by side in each row of qkv (as the model has them,
     here at a row stride wider than the heads), the C call first rotates and stores: the caches
-    afterwards, and the output, equal c_rotary, store_kv, then attending. Also over a head-major
-    cache, as the engine stores it (a permuted view: every path reads and writes it by its
-    strides), where the torch reference reads the same values as from a contiguous copy."""
+    afterwards, and the output, equal its own rotary (c_rotary), store_kv, then attending. Also
+    over a head-major cache, as the engine stores it (a permuted view: every path reads and
+    writes it by its strides), where the torch reference reads the same values as from a
+    contiguous copy."""
     if cache_dtype == "fp16" and not kernels.cpu_kernels().f16c:
         pytest.skip("an fp16 cache needs F16C (this build is generic)")
     q, k_cache, v_cache, scale, ctx = make_paged_batch(BATCHES[batch], 4, 6, 2, 64, dtype)
@@ -301,7 +315,7 @@ def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(
         slots += [int(tables[b, p // 4]) * 4 + p % 4 for p in range(context - q_len, context)]
     ctx.slot_mapping = torch.tensor(slots)
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    q, k = (kernels.c_rotary(q_k, cos_sin) if rotate else q_k).split((6, 2), dim=1)
+    q, k = (c_rotary(q_k, cos_sin) if rotate else q_k).split((6, 2), dim=1)
     kernels.store_kv(k, v, want_k, want_v, ctx.slot_mapping)
     want = kernels.c_paged_attention(q, want_k, want_v, scale, ctx)
     qkv = qkv[:, : 10 * 64]  # rows at a stride wider than their heads
@@ -382,7 +396,7 @@ def test_c_rms_norm_matches_torch_roundings(shape, with_residual, dtype):
 
 
 @needs_c_kernels
-@pytest.mark.parametrize("num_tokens", [0, 1, 9, 40])  # 40: split across threads
+@pytest.mark.parametrize("num_tokens", [1, 9, 40])  # 40: split across threads
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 16), (9, 3, 64), (8, 1, 128)])
 def test_c_rotary_equals_torch_bit_for_bit(num_tokens, num_heads, num_kv_heads, head_dim):
     qkv = (3 * torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)).bfloat16()
@@ -390,12 +404,12 @@ def test_c_rotary_equals_torch_bit_for_bit(num_tokens, num_heads, num_kv_heads, 
         num_tokens, num_heads + num_kv_heads, head_dim
     )
     cos_sin = rope_cache(300, head_dim)[torch.randint(0, 300, (num_tokens,))].bfloat16()
-    assert torch.equal(kernels.c_rotary(q_k, cos_sin), kernels.torch_rotary(q_k, cos_sin))
+    assert torch.equal(c_rotary(q_k, cos_sin), kernels.torch_rotary(q_k, cos_sin))
     # fp32: each output one product rounded and one fused multiply-add, against torch's two
     # rounded products and a rounded sum: within an ulp or two of the larger product.
     q_k, cos_sin = q_k.float(), cos_sin.float()
     torch.testing.assert_close(
-        kernels.c_rotary(q_k, cos_sin), kernels.torch_rotary(q_k, cos_sin), atol=2e-6, rtol=2e-7
+        c_rotary(q_k, cos_sin), kernels.torch_rotary(q_k, cos_sin), atol=2e-6, rtol=2e-7
     )
 
 
