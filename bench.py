@@ -350,9 +350,10 @@ def best_of(fn, repeat: int = 5) -> float:
 
 
 def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[tuple[int, int]]:
-    """(instructions, FMAs) of each innermost loop with FMAs in the
-    disassembly of `function`: a number that does not depend on how wide this machine's core is.
-    A loop is a backward jump; innermost: no other loop inside it."""
+    """(instructions, FMAs) of each innermost loop of the tiles in the disassembly of `function`:
+    a number that does not depend on how wide this machine's core is. A loop is a backward jump;
+    innermost: no other loop inside it; a tile's: it has FMAs and no division (the MLP's gating,
+    which copies the rows before the tiles, has both: silu's exponential and its quotient)."""
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", library], capture_output=True)
     body = listing.stdout.decode().split(f"<{function}>:\n", 1)[1].split("\n\n", 1)[0]
     rows = [re.match(r"\s*([0-9a-f]+):\s+(\S+)\s*([0-9a-f]*)", line) for line in body.splitlines()]
@@ -367,6 +368,7 @@ def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[
         (a, b) for a, b in loops if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in loops)
     ]
     spans = [[op for _, op, _ in code[a : b + 1]] for a, b in inner]
+    spans = [ops for ops in spans if not any(op.startswith("vdiv") for op in ops)]
     counts = [(len(ops), sum(op.startswith("vfmadd") for op in ops)) for ops in spans]
     return [(instructions, fmas) for instructions, fmas in counts if fmas]
 
