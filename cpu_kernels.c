@@ -359,7 +359,8 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     // a pointer a row, GCC kept six of them on the stack and reloaded them every k: 6 of the 52
     // instructions for 24 FMAs of the 6-row tile on avx2. Prefill's blocked tiles and the other
     // weight types read x in place (for prefill the copy cost more than it saved). One row is the
-    // same either way.
+    // same either way. Gated rows (the MLP's down projection, at every M) are always copied, as
+    // silu(g) u, in the layout their tiles read.
     int interleaved = !amx && wt == 2 && M <= 3 * MAX_ROWS;
     int64_t copied_rows = amx ? M * !x_bf16 : (M > 1 && interleaved) || gated ? M : 0;
     float *copy = scratch;

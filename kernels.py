@@ -382,10 +382,11 @@ def c_linear(x, packed, bias, out_features, gated=False):
     num_rows, threads = rows.shape[0], torch.get_num_threads()
     in_features = rows.shape[1] // (1 + gated)
     out = torch.empty(num_rows, out_features, dtype=x.dtype)
-    # Room for x interleaved by row blocks (fp16 weights, up to 18 rows) or split in two bf16
-    # halves (AMX over fp16 weights), then per thread: a panel of 16-bit weights widened to fp32 for
-    # prefill, or a panel pair's weights split (cpu_kernels.c). (No room for x past 18 rows but
-    # AMX's: a 2048-token chunk of a wide model's x would be 100 MB.)
+    # Room for x interleaved by row blocks (fp16 weights, up to 18 rows), gated (every M) or split
+    # in two bf16 halves (AMX over fp16 weights), then per thread: a panel of 16-bit weights
+    # widened to fp32 for prefill, or a panel pair's weights split (cpu_kernels.c). (No room for x
+    # past 18 rows but those: a 2048-token chunk of a wide model's x would be 100 MB; gated rows
+    # take the [M, I] that torch's silu_mul allocated anyway.)
     blocked, split = w_type and not x_bf16 and num_rows > 6, amx and w_type == 2
     scratch = num_rows * in_features * (num_rows <= 18 or split or gated)
     scratch += threads * in_features * 32 if blocked or split else 0

@@ -65,11 +65,12 @@ def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("k", [1536, 48])  # the default model's MLP; a K that is no whole panel
+@pytest.mark.parametrize("k", [1536, 48])  # the default model's; one that ends in a short chunk
 def test_the_gated_c_linear_rows_are_invariant(c_isa, k, w_dtype):
     """The MLP's down projection gates its own rows (silu(gate) * up as the kernel copies them) at
-    every M, prefill's included: one formula for a row however many the call has. It is torch's
-    silu_mul within an ulp or two, so the outputs are close to the ops it replaces."""
+    every M, prefill's included: one formula for a row however many the call has (N=40: a partial
+    last panel). It is torch's silu_mul within an ulp or two, so the outputs are close to the ops
+    it replaces."""
     if w_dtype == torch.float16 and c_isa == "generic":
         pytest.skip("fp16 weights need F16C, which the generic build does not assume")
     weight, bias = (0.05 * torch.randn(40, k)).to(w_dtype), torch.randn(40)
