@@ -86,10 +86,13 @@ static inline float hsum(vf v) {
     return v[0];
 }
 
+// a where the mask's lane is set, else b
+static inline vf select_vf(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
 // e^x for x <= 0 (e^-inf = 0): 2^n * e^r, |r| <= ln2/2, rel. error ~1e-7
 static inline vf exp_vf(vf x) {
     vi dead = x < -87.0f;
-    x = (vf)(((vi)x & ~dead) | ((vi)((vf){} - 87.0f) & dead));
+    x = select_vf(dead, (vf){} - 87.0f, x);
     vf n = (x * 1.442695041f + 12582912.0f) - 12582912.0f;  // round to nearest integer
     vf r = x - n * 0.693147181f, p = {};
     const float taylor[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
@@ -335,9 +338,8 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
 // (exp_vf takes x <= 0). One formula for every row at every M, like torch's (not bit for bit the
 // same as torch's: within an ulp or two).
 static inline vf silu_mul_vf(const float *p, int64_t K) {
-    vf g = load_vf(p, 0), e = exp_vf((vf)((vu)g | 0x80000000u)), one = splat(1.0f);  // e^-|g|
-    vi below = g < 0;
-    return g * (vf)((below & (vi)e) | (~below & (vi)one)) / (one + e) * load_vf(p + K, 0);
+    vf g = load_vf(p, 0), e = exp_vf((vf)((vu)g | 0x80000000u));  // e^-|g|
+    return g * select_vf(g < 0, e, splat(1.0f)) / (1.0f + e) * load_vf(p + K, 0);
 }
 
 // x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: AMX only, W bf16 too). W packed
@@ -539,7 +541,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
                 for (int s = 0; s < LANES; s++) partial[s] += qv[i][c] * keys[s][c];
             vi valid = iota() < num_keys + i / group - l0;
             p[i] = sum_lanes(partial) * scale;
-            p[i] = (vf)(((vi)p[i] & valid) | ((vi)((vf){} - INFINITY) & ~valid));
+            p[i] = select_vf(valid, p[i], splat(-INFINITY));
         }
         // alpha: e^(old max - new max), 0 on the first chunk (e^-inf); by exp_vf, not libm's expf:
         // no call in the loop (attention 6-9% faster on avx2, session 17)
