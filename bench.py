@@ -349,6 +349,17 @@ def best_of(fn, repeat: int = 5) -> float:
     return min(timeit.repeat(fn, number=1, repeat=repeat))
 
 
+def taking_turns(fns: dict, rounds: int = 5, repeat: int = 2) -> dict:
+    """{name: (seconds, ratio)}: each fn's best of `repeat` calls, the fns taking turns for
+    `rounds` rounds; seconds the median over the rounds, ratio the median of its ratio to the first
+    fn's in the same round. On a shared machine a burst of other work spoils a round, not a whole
+    measurement: measured one after the other, the same T=1 forward once took 15.0 ms at context
+    100 and 13.2 at context 700, and T=5's ratio to it read 1.05x in one run and 1.61x in the next
+    (a Zen 4 VM, session 24)."""
+    times = np.array([[best_of(fn, repeat) for fn in fns.values()] for _ in range(rounds)])
+    return dict(zip(fns, zip(np.median(times, 0), np.median(times / times[:, :1], 0))))
+
+
 def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[tuple[int, int]]:
     """(instructions, FMAs) of each innermost loop of the tiles in the disassembly of `function`:
     a number that does not depend on how wide this machine's core is. A loop is a backward jump;
@@ -406,24 +417,24 @@ def bench_kernels(argv=None):
         f"{llm.dtype}{kernels.dtypes_summary(llm.model, llm.kv_dtype)}"
     )
     print(f"{len(linears)} linears, {weight_bytes / 1e6:.0f} MB of weights")
-    plain_read = best_of(lambda: [m.packed.view(torch.float32).sum() for m in linears])
-    linear_1 = best_of(run_linears(1))
+    reads = taking_turns(
+        {"plain": lambda: [m.packed.view(torch.float32).sum() for m in linears], 1: run_linears(1)}
+    )
+    plain_read, linear_1 = reads["plain"][0], reads[1][0]
     print(
         f"M=1: {weight_bytes / linear_1 / 1e9:.1f} GB/s ({1e3 * linear_1:.1f} ms); a plain read "
         f"of the same bytes: {weight_bytes / plain_read / 1e9:.1f} GB/s"
     )
     fp32_weights = [torch.randn(m.out_features, m.in_features) for m in linears]
     bf16_native = kernels.torch_bf16_native()  # (AVX512-BF16 without AMX too: Zen 4-5)
+    bf16_weights = [w.bfloat16() for w in fp32_weights] if bf16_native else None
     for rows in (64, 256):
-        flop = 2 * rows * macs
-        ours = best_of(run_linears(rows), 3)
-        line = f"M={rows}: {flop / ours / 1e9:.0f} GFLOP/s; torch fp32 GEMM "
-        line += f"{flop / best_of(run_linears(rows, weights=fp32_weights), 3) / 1e9:.0f}"
+        gemms = {"nanospec": run_linears(rows)}
+        gemms["torch fp32 GEMM"] = run_linears(rows, weights=fp32_weights)
         if bf16_native:
-            bf16_weights = [w.bfloat16() for w in fp32_weights]
-            onednn = best_of(run_linears(rows, torch.bfloat16, bf16_weights), 3)
-            line += f"; oneDNN bf16 GEMM {flop / onednn / 1e9:.0f}"
-        print(line)
+            gemms["oneDNN bf16 GEMM"] = run_linears(rows, torch.bfloat16, bf16_weights)
+        speeds = {n: 2 * rows * macs / s / 1e9 for n, (s, _) in taking_turns(gemms, 3, 1).items()}
+        print(f"M={rows}, GFLOP/s: " + ", ".join(f"{n} {v:.0f}" for n, v in speeds.items()))
     # Contexts 100 and 700 (the issue's decode and summarization steps), 1000-4000 (long chats):
     # what a context adds to a step over the same T at context 100 is, nearly all, attention's.
     probe = Sequence(list(range(1000, 1000 + 4010)), SamplingParams(), llm.device)
@@ -432,16 +443,16 @@ def bench_kernels(argv=None):
         time_forward(llm, probe, 500, start)
     base = None
     for context in (100, 700, 1000, 2000, 4000):
-        times = {
-            t: best_of(lambda t=t, c=context: time_forward(llm, probe, t, c)) for t in (1, 5, 9)
-        }
+        times = taking_turns(
+            {t: lambda t=t, c=context: time_forward(llm, probe, t, c) for t in (1, 5, 9)}
+        )
         base = base or times
         print(
             f"forward, context {context}: "
             + ", ".join(
-                f"T={t} {1e3 * s:.1f} ms ({s / times[1]:.2f}x, attention ~"
-                f"{max(s - base[t], 0) / s:.0%})"
-                for t, s in times.items()
+                f"T={t} {1e3 * s:.1f} ms ({ratio:.2f}x, attention ~"
+                f"{max(s - base[t][0], 0) / s:.0%})"
+                for t, (s, ratio) in times.items()
             )
         )
     llm.blocks.free(probe)

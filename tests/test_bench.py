@@ -86,3 +86,15 @@ def test_two_turns_finds_turn_one_cached(tmp_path, capsys):
         # all of turn 1's tokens but its last (never computed) in whole blocks of 16
         assert turn2[1] >= (prompt1 + tokens1 - 1) // 16 * 16 > 0 and without[1] == 0
     assert "identical: True" in capsys.readouterr().out
+
+
+def test_taking_turns_keeps_a_burst_to_one_round(monkeypatch):
+    """`bench.py kernels` times its variants taking turns: a burst of other work that slows every
+    call of one round (here round 2: all three variants 3x) moves neither the median seconds nor
+    the ratios, which are each round's own (T=5 is 1.2x T=1 in every round)."""
+    rounds = iter([1.0, 1.2, 1.6] * 2 + [3.0, 3.6, 4.8] + [1.0, 1.2, 1.6] * 2)
+    monkeypatch.setattr(bench, "best_of", lambda fn, repeat: next(rounds))
+    turns = bench.taking_turns({1: None, 5: None, 9: None}, rounds=5)
+    assert list(turns) == [1, 5, 9]
+    assert [round(float(s), 6) for s, _ in turns.values()] == [1.0, 1.2, 1.6]
+    assert [round(float(r), 6) for _, r in turns.values()] == [1.0, 1.2, 1.6]
