@@ -387,7 +387,8 @@ def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[
 def bench_kernels(argv=None):
     """Linears at M=1 (weight-read GB/s beside a plain read of the same bytes), M=64 and 256
     (GFLOP/s beside torch's fp32 GEMM and, on bf16 CPUs, oneDNN's bf16 GEMM), whole forwards of
-    T=1, 5, 9 at contexts 100 and 700, and the instructions per FMA of the linear's loops."""
+    T=1, 5, 9 at contexts 100 to 4,000, and the instructions per FMA of the linear's loops; what is
+    compared takes turns (taking_turns)."""
     import torch.nn.functional as F
 
     import kernels

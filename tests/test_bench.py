@@ -90,8 +90,9 @@ def test_two_turns_finds_turn_one_cached(tmp_path, capsys):
 
 def test_taking_turns_keeps_a_burst_to_one_round(monkeypatch):
     """`bench.py kernels` times its variants taking turns: a burst of other work that slows every
-    call of one round (here round 2: all three variants 3x) moves neither the median seconds nor
-    the ratios, which are each round's own (T=5 is 1.2x T=1 in every round)."""
+    call of one round (here the third: all three variants 3x) moves neither the median seconds nor
+    the ratios, which are each round's own (T=5 is 1.2x T=1 in every round). Timed one variant
+    after the other, or averaged, the same values would give other answers."""
     rounds = iter([1.0, 1.2, 1.6] * 2 + [3.0, 3.6, 4.8] + [1.0, 1.2, 1.6] * 2)
     monkeypatch.setattr(bench, "best_of", lambda fn, repeat: next(rounds))
     turns = bench.taking_turns({1: None, 5: None, 9: None}, rounds=5)
