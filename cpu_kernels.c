@@ -7,11 +7,8 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#ifdef __F16C__  // (every build with AMX has it too)
+#ifdef __F16C__  // (every build with AMX or AVX512-BF16 has it too)
 #include <immintrin.h>
-#define F16C 1
-#else
-#define F16C 0
 #endif
 // Compiled without GCC's partial redundancy elimination: with it, GCC hoists the second k of a
 // linear's pair of k above the first k's FMAs, runs out of AVX2's 16 vector registers and keeps
@@ -109,8 +106,11 @@ static inline vf exp_vf(vf x) {
 // its halves exactly with one shift (k) and one mask (k + 1), so one load serves two k.
 //
 // Each output y[m, n] is one fixed chain from zero, then + bias: fp32 FMAs over k = 0..K-1 (x in
-// fp32), or AMX's tile products (below). The chain never depends on M, the tile shape or the
-// thread count, so every row is bitwise the same whatever the step around it.
+// fp32), or AMX's tile products (below), or, in the avx512bf16 build for bf16 x over bf16 weights,
+// AVX512-BF16's dot products: a pair of k at a time, acc + x[k+1] w[k+1], then + x[k] w[k], each
+// add rounded to fp32 (a product of two bf16 is exact in fp32; denormals count as zero). The
+// chain never depends on M, the tile shape or the thread count, so every row is bitwise the same
+// whatever the step around it.
 //
 // A tile of R rows x one panel keeps its R * PV accumulators in registers for the whole of K and
 // reads each weight once for its R rows: a decode or verify step (M <= 6) streams the weights from
@@ -177,7 +177,10 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 
 // One tile: rows m0..m0+R-1, panel p0, the pairs of k kp0..kp1-1 (all of them, or a chunk), with
 // the panel's weights at w0. R and the dtypes are constants in each instance (tile_rows), so the
-// accumulators live in registers. After the last pair it adds the bias and writes y.
+// accumulators live in registers. After the last pair it adds the bias and writes y. wt 3: bf16
+// weights under bf16 x, one dot product a pair of k (AVX512-BF16; a panel is one vector there):
+// x's pair is one 32-bit word, broadcast, and the weights' pair layout is what the instruction
+// takes, so nothing is widened.
 static inline __attribute__((always_inline)) void
 tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
      int64_t K2, int64_t kp0, int64_t kp1, vf_u *sums, const int R, const int wt, int y_bf16) {
@@ -188,6 +191,13 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
         const char *pair = w0 + kp * pair_bytes;
         for (int line = 0; line < pair_bytes; line += 64)
             __builtin_prefetch(pair + AHEAD * pair_bytes + line);
+#ifdef __AVX512BF16__
+        for (int r = 0; wt == 3 && r < R; r++) {  // bf16 x and weights: one dot product a pair
+            vu xk = (vu){} + ((const uint32_t *)x)[(m0 + r) * K2 + kp];  // x's pair, both halves
+            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xk, (__m512bh) * (const vf_u *)pair);
+        }
+        if (wt == 3) continue;
+#endif
         for (int half = 0; half < 2; half++) {  // k = 2 kp, then 2 kp + 1: the chain's order
             vf wk[PV];
             for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, wt);
@@ -214,28 +224,24 @@ tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, 
     switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
 }
 
-// Prefill: a panel's pairs of k widened from 16 bits once into an fp32 copy that every row block
-// of the call then reads (fp32 layout: [pair][2][16]).
-static void widen_panel(const char *w, int64_t K2, float *out, int wt) {
-    for (int64_t kp = 0; kp < K2; kp++)
-        for (int half = 0; half < 2; half++)
-            for (int v = 0; v < PV; v++)
-                *(vf_u *)(out + (kp * 2 + half) * PANEL + v * LANES) =
-                    widen(w + kp * PANEL * 4, v, half, wt);
-}
-
 // The tiles of one thread: its share of the panels, one at a time; every row block walks a panel
 // while its weights are in this core's cache. With 16-bit weights and several row blocks (prefill)
 // the FMA path widens each panel once into `scratch` (K * 16 floats).
 static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, int y_bf16) {
-    int blocked = wt && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
+    int blocked = (wt == 1 || wt == 2) && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
     int64_t chunk = M > MAX_ROWS && M <= 3 * MAX_ROWS ? CHUNK : K2;
     vf_u sums[3 * MAX_ROWS * PV];  // the row blocks' accumulators between chunks
     for (int p0 = first; p0 < last; p0++) {
         const char *w0 = (const char *)w + p0 * K2 * PANEL * (wt ? 4 : 8);
-        if (blocked) widen_panel(w0, K2, scratch, wt);
+        // Prefill: the panel's pairs of k widened from 16 bits once into an fp32 copy that every
+        // row block then reads (fp32 layout: [pair][2][16])
+        for (int64_t kp = 0; blocked && kp < K2; kp++)
+            for (int half = 0; half < 2; half++)
+                for (int v = 0; v < PV; v++)
+                    *(vf_u *)(scratch + (kp * 2 + half) * PANEL + v * LANES) =
+                        widen(w0 + kp * PANEL * 4, v, half, wt);
         for (int64_t kp0 = 0; kp0 < K2; kp0 += chunk)
             for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
                 int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
@@ -342,10 +348,10 @@ static inline vf silu_mul_vf(const float *p, int64_t K) {
     return g * select_vf(g < 0, e, splat(1.0f)) / (1.0f + e) * load_vf(p + K, 0);
 }
 
-// x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: AMX only, W bf16 too). W packed
-// fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32 or bf16 (y_bf16). scratch:
-// K * 32 floats a thread, after M * K for x's copy (up to 18 rows, or AMX's halves:
-// kernels.c_linear).
+// x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: AMX or AVX512-BF16's dot
+// product, W bf16 too). W packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias
+// fp32 or bf16 (y_bf16). scratch: K * 32 floats a thread, after M * K for x's copy (up to 18 rows,
+// or AMX's halves: kernels.c_linear).
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
             int x_bf16, int wt, int y_bf16, float *scratch, int threads, int gated) {
     int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL;
@@ -398,8 +404,8 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
         else
 #endif
 #define PANELS(WT) linear_panels(rows, w, bias, y, M, N, K2, first, last, own, WT, y_bf16)
-            // one instance per weight type; fp16 only where F16C widens it
-            wt == 1 ? PANELS(1) : wt == 2 && F16C ? PANELS(2) : PANELS(0);
+            // one instance per weight type (fp16 only reaches a build with F16C: kernels.c_linear)
+            x_bf16 ? PANELS(3) : wt == 1 ? PANELS(1) : wt == 2 ? PANELS(2) : PANELS(0);
     }
 }
 
@@ -540,8 +546,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             for (int c = 0; c < chunks; c++)
                 for (int s = 0; s < LANES; s++) partial[s] += qv[i][c] * keys[s][c];
             vi valid = iota() < num_keys + i / group - l0;
-            p[i] = sum_lanes(partial) * scale;
-            p[i] = select_vf(valid, p[i], splat(-INFINITY));
+            p[i] = select_vf(valid, sum_lanes(partial) * scale, splat(-INFINITY));
         }
         // alpha: e^(old max - new max), 0 on the first chunk (e^-inf); by exp_vf, not libm's expf:
         // no call in the loop (attention 6-9% faster on avx2, session 17)
@@ -551,9 +556,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             float chunk_max = p[i][0];
             for (int j = 1; j < LANES; j++) chunk_max = p[i][j] > chunk_max ? p[i][j] : chunk_max;
             // where the max holds, e^0: skipping the rescaling keeps the same bits
-            alpha[i] = 1.0f;
-            if (chunk_max > max_score[i])
-                alpha[i] = exp_vf(splat(max_score[i] - chunk_max))[0], max_score[i] = chunk_max;
+            alpha[i] = chunk_max > max_score[i] ? exp_vf(splat(max_score[i] - chunk_max))[0] : 1.0f;
+            max_score[i] = chunk_max > max_score[i] ? chunk_max : max_score[i];
             p[i] = exp_vf(p[i] - max_score[i]);
             total[i] = total[i] * alpha[i] + hsum(p[i]);
         }

@@ -50,12 +50,15 @@ context: AttentionContext | None = None
 # Without a compiler, or with NANOSPEC_CPU_KERNELS=0, the torch references run instead. The
 # /proc/cpuinfo flags each build needs, widest first; each is also its compiler flag (amx_tile:
 # -mamx-tile). amx (Intel Xeons since Sapphire Rapids) runs the linear layers on AMX's tiles, 16x
-# the multiply-adds a cycle of AVX-512 FMAs (cpu_kernels.c, "Intel AMX"). (AVX512-BF16's dot
-# product on its own, Zen 4-5's, has no build: --dtype auto keeps fp32 activations over fp16
-# weights, for which a split into bf16 halves would take 3 dot products where the FMA path takes
-# 2 FMAs; BENCHMARKS.md, session 21.)
+# the multiply-adds a cycle of AVX-512 FMAs (cpu_kernels.c, "Intel AMX"). avx512bf16 (Zen 4-5,
+# Cooper Lake) adds AVX512-BF16's dot product, for bf16 rows over bf16 weights (--dtype bfloat16):
+# a pair of k a lane in one instruction, twice the FMA path's multiply-adds (M=256 2.0x, 1.07x
+# oneDNN's bf16 GEMM on a Zen 4; BENCHMARKS.md, session 25). --dtype auto keeps fp32 activations
+# over fp16 weights there, as on every CPU: split into bf16 halves they would take 3 dot products
+# where the FMA path takes 2 FMAs (session 21).
 ISA_NEEDS = {
     "amx": ["amx_tile", "amx_bf16", "avx512f", "avx2", "fma", "f16c"],
+    "avx512bf16": ["avx512_bf16", "avx512f", "avx2", "fma", "f16c"],
     "avx512": ["avx512f", "avx2", "fma", "f16c"],
     "avx2": ["avx2", "fma", "f16c"],
     "generic": [],
@@ -184,6 +187,7 @@ def cpu_kernels():
             return None
     lib = ctypes.CDLL(str(library))
     lib.amx, lib.f16c = isa == "amx", isa != "generic"  # fp16 weights need F16C
+    lib.bf16_dot = isa == "avx512bf16"
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
@@ -366,13 +370,13 @@ def c_linear(x, packed, bias, out_features, gated=False):
     needs: each tensor op here, even a view, costs about a microsecond a call.)"""
     lib, rows = cpu_kernels(), x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     # AMX, wherever K (padded) is a multiple of 32, takes bf16 rows over bf16 weights as they are,
-    # and fp32 rows over fp16 weights, which it splits itself (cpu_kernels.c, "Intel AMX"). The FMA
-    # path takes fp32 rows, widened here once (exactly), so that the kernel's broadcast of x[m, k]
-    # is a single load. Both walk k in pairs: an odd K gets a zero column (its weights are
-    # zero-padded too).
+    # and fp32 rows over fp16 weights, which it splits itself (cpu_kernels.c, "Intel AMX"); the
+    # avx512bf16 build's dot product takes bf16 over bf16 at any K. The FMA path takes fp32 rows,
+    # widened here once (exactly), so that the kernel's broadcast of x[m, k] is a single load. All
+    # walk k in pairs: an odd K gets a zero column (its weights are zero-padded too).
     w_type, amx = C_TYPES[packed.dtype], lib.amx and packed.shape[1] % 16 == 0
     assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
-    x_bf16 = amx and w_type == 1 and rows.dtype == torch.bfloat16
+    x_bf16 = (amx or lib.bf16_dot) and w_type == 1 and rows.dtype == torch.bfloat16
     if not x_bf16 and rows.dtype != torch.float32:
         rows = rows.float()
     if rows.shape[1] % 2:

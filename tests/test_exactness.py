@@ -14,7 +14,7 @@ from test_kernels import make_paged_batch
 import kernels
 
 ROW_COUNTS = [1, 2, 3, 5, 9, 13, 33, 300]
-ISAS = ["amx", "avx512", "avx2", "generic"]
+ISAS = ["amx", "avx512bf16", "avx512", "avx2", "generic"]
 
 
 @pytest.fixture(params=ISAS)
@@ -82,6 +82,35 @@ def test_the_gated_c_linear_rows_are_invariant(c_isa, k, w_dtype):
     expected = kernels.c_linear(kernels.silu_mul(x), layer.packed, layer.bias, 40)
     got = kernels.silu_mul_linear(x, layer)
     torch.testing.assert_close(got, expected.to(got.dtype), atol=1e-4, rtol=1e-5)
+
+
+def test_the_bf16_dot_product_is_its_documented_chain(monkeypatch):
+    """The avx512bf16 build takes bf16 rows over bf16 weights through AVX512-BF16's dot product:
+    per pair of k, acc + x[k+1] w[k+1], then + x[k] w[k], each add rounded to fp32 (a product of
+    two bf16 is exact), and a denormal input counts as zero. So c_linear must route bf16 rows
+    there: the FMA path (the avx512 build) keeps a denormal's product."""
+    if "avx512_bf16" not in kernels.cpu_flags():
+        pytest.skip("this CPU has no AVX512-BF16")
+    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
+    monkeypatch.setenv("NANOSPEC_ISA", "avx512bf16")
+    if kernels.cpu_kernels() is None:
+        pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
+    x, weight = torch.randn(5, 256).bfloat16(), (0.1 * torch.randn(32, 256)).bfloat16()
+    packed, y = kernels.pack_weight(weight), torch.empty(5, 32)  # y in fp32: the chain's own bits
+    pointers = (x.data_ptr(), packed.data_ptr(), None, y.data_ptr())
+    kernels.cpu_kernels().linear(
+        *pointers, 5, 32, 256, 1, 1, 0, kernels.cpu_scratch(1).data_ptr(), 2, 0
+    )
+    want, xf, wf = torch.zeros(5, 32), x.float(), weight.float()
+    for k in range(0, 256, 2):
+        want = (want + xf[:, k + 1, None] * wf[:, k + 1]) + xf[:, k, None] * wf[:, k]
+    assert torch.equal(y, want)
+    x, weight = torch.zeros(1, 2).bfloat16(), torch.zeros(16, 2).bfloat16()
+    x[0, 0], weight[:, 0] = 1e-39, 1e30  # a bf16 denormal, and a product of 1e-9
+    assert kernels.c_linear(x, kernels.pack_weight(weight), None, 16).abs().max() == 0
+    monkeypatch.setenv("NANOSPEC_ISA", "avx512")
+    kernels.cpu_kernels.cache_clear()
+    assert kernels.c_linear(x, kernels.pack_weight(weight), None, 16).float().min() > 9e-10
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
