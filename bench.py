@@ -5,6 +5,7 @@
 # never in unit tests. It must never mix numbers from different runs, dtypes or machines into one
 # ratio.
 import argparse
+import copy
 import json
 import os
 import platform
@@ -360,6 +361,11 @@ def taking_turns(fns: dict, rounds: int = 5, repeat: int = 2) -> dict:
     return dict(zip(fns, zip(np.median(times, 0), np.median(times / times[:, :1], 0))))
 
 
+# What loop_instructions counts as a FMA: AVX512-BF16's vdpbf16ps too (one instruction, a pair of
+# k a lane).
+MULTIPLY_ADDS = ("vfmadd", "vdpbf16ps")
+
+
 def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[tuple[int, int]]:
     """(instructions, FMAs) of each innermost loop of the tiles in the disassembly of `function`:
     a number that does not depend on how wide this machine's core is. A loop is a backward jump;
@@ -380,17 +386,16 @@ def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[
     ]
     spans = [[op for _, op, _ in code[a : b + 1]] for a, b in inner]
     spans = [ops for ops in spans if not any(op.startswith("vdiv") for op in ops)]
-    counts = [(len(ops), sum(op.startswith("vfmadd") for op in ops)) for ops in spans]
+    counts = [(len(ops), sum(op.startswith(MULTIPLY_ADDS) for op in ops)) for ops in spans]
     return [(instructions, fmas) for instructions, fmas in counts if fmas]
 
 
 def bench_kernels(argv=None):
     """Linears at M=1 (weight-read GB/s beside a plain read of the same bytes), M=64 and 256
-    (GFLOP/s beside torch's fp32 GEMM and, on bf16 CPUs, oneDNN's bf16 GEMM), whole forwards of
-    T=1, 5, 9 at contexts 100 to 4,000, and the instructions per FMA of the linear's loops; what is
-    compared takes turns (taking_turns)."""
-    import torch.nn.functional as F
-
+    (GFLOP/s beside torch's fp32 GEMM and, on bf16 CPUs, oneDNN's bf16 GEMM and the avx512bf16
+    build's dot product over the same bf16 weights), whole forwards of T=1, 5, 9 at contexts 100
+    to 4,000, and the instructions per FMA of the linear's loops; what is compared takes turns
+    (taking_turns)."""
     import kernels
     from goodput import time_forward
     from sequence import Sequence
@@ -407,11 +412,9 @@ def bench_kernels(argv=None):
     weight_bytes = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     macs = sum(m.in_features * m.out_features for m in linears)
 
-    def run_linears(rows: int, dtype=torch.float32, weights=None):
-        xs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in linears}
-        if weights is None:
-            return lambda: [m(xs[m.in_features].to(llm.dtype)) for m in linears]
-        return lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
+    def run_linears(rows: int, layers=linears, dtype=llm.dtype):
+        xs = {m.in_features: torch.randn(rows, m.in_features, dtype=dtype) for m in layers}
+        return lambda: [m(xs[m.in_features]) for m in layers]
 
     print(
         f"{machine_info(llm.dtype, 'cpu')['cpu']} · {kernels.kernels_summary('cpu')} · "
@@ -426,14 +429,19 @@ def bench_kernels(argv=None):
         f"M=1: {weight_bytes / linear_1 / 1e9:.1f} GB/s ({1e3 * linear_1:.1f} ms); a plain read "
         f"of the same bytes: {weight_bytes / plain_read / 1e9:.1f} GB/s"
     )
-    fp32_weights = [torch.randn(m.out_features, m.in_features) for m in linears]
+    shapes = [(m.in_features, m.out_features) for m in linears]
+    fp32_layers = [torch.nn.Linear(*shape, bias=False).requires_grad_(False) for shape in shapes]
     bf16_native = kernels.torch_bf16_native()  # (AVX512-BF16 without AMX too: Zen 4-5)
-    bf16_weights = [w.bfloat16() for w in fp32_weights] if bf16_native else None
+    bf16_layers = [layer.bfloat16() for layer in map(copy.deepcopy, fp32_layers)]
+    # the avx512bf16 build's dot product on the same bf16 weights, where it runs
+    bf16_dot = [kernels.Linear(m.weight, None, kernels.pack_weight(m.weight)) for m in bf16_layers]
     for rows in (64, 256):
         gemms = {"nanospec": run_linears(rows)}
-        gemms["torch fp32 GEMM"] = run_linears(rows, weights=fp32_weights)
+        gemms["torch fp32 GEMM"] = run_linears(rows, fp32_layers, torch.float32)
         if bf16_native:
-            gemms["oneDNN bf16 GEMM"] = run_linears(rows, torch.bfloat16, bf16_weights)
+            gemms["oneDNN bf16 GEMM"] = run_linears(rows, bf16_layers, torch.bfloat16)
+        if kernels.cpu_kernels().bf16_dot:
+            gemms["nanospec bf16 (dot product)"] = run_linears(rows, bf16_dot, torch.bfloat16)
         speeds = {n: 2 * rows * macs / s / 1e9 for n, (s, _) in taking_turns(gemms, 3, 1).items()}
         print(f"M={rows}, GFLOP/s: " + ", ".join(f"{n} {v:.0f}" for n, v in speeds.items()))
     # Contexts 100 and 700 (the issue's decode and summarization steps), 1000-4000 (long chats):

@@ -186,8 +186,8 @@ def cpu_kernels():
             )
             return None
     lib = ctypes.CDLL(str(library))
-    lib.amx, lib.f16c = isa == "amx", isa != "generic"  # fp16 weights need F16C
-    lib.bf16_dot = isa == "avx512bf16"
+    # (fp16 weights need F16C)
+    lib.amx, lib.f16c, lib.bf16_dot = isa == "amx", isa != "generic", isa == "avx512bf16"
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
