@@ -440,7 +440,7 @@ def bench_kernels(argv=None):
         gemms["torch fp32 GEMM"] = run_linears(rows, fp32_layers, torch.float32)
         if bf16_native:
             gemms["oneDNN bf16 GEMM"] = run_linears(rows, bf16_layers, torch.bfloat16)
-        if kernels.cpu_kernels().bf16_dot:
+        if kernels.cpu_kernels().isa == "avx512bf16":
             gemms["nanospec bf16 (dot product)"] = run_linears(rows, bf16_dot, torch.bfloat16)
         speeds = {n: 2 * rows * macs / s / 1e9 for n, (s, _) in taking_turns(gemms, 3, 1).items()}
         print(f"M={rows}, GFLOP/s: " + ", ".join(f"{n} {v:.0f}" for n, v in speeds.items()))

@@ -66,7 +66,7 @@ ISA_NEEDS = {
 
 
 def cpu_isa() -> str:
-    """The widest ISA this CPU runs, or NANOSPEC_ISA (amx, avx512, avx2, generic): a big
+    """The widest ISA this CPU runs, or NANOSPEC_ISA (amx, avx512bf16, avx512, avx2, generic): a big
     CPU can behave like a small one (set ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and
     MKL_ENABLE_INSTRUCTIONS too, for torch's own kernels)."""
     forced = os.environ.get("NANOSPEC_ISA")
@@ -80,7 +80,7 @@ def amx_permitted() -> bool:
     """Linux gives a process AMX's 8 KB of tile registers only when it asks (arch_prctl
     ARCH_REQ_XCOMP_PERM for XTILEDATA, kernel 5.16 and later); without them the first tile
     instruction kills the process. Asked once, for the whole process (cpu_kernels: where Linux
-    refuses, the torch path runs)."""
+    refuses, the avx512bf16 build runs)."""
     # syscall 158 is arch_prctl on x86-64, 0x1023 asks, 18 is the tile data's feature bit
     return ctypes.CDLL(None).syscall(158, 0x1023, 18) == 0
 
@@ -154,9 +154,9 @@ def cpu_kernels():
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
     isa = cpu_isa()
-    if isa == "amx" and not amx_permitted():
-        warnings.warn("nanospec: Linux gave no AMX tile state; using torch", stacklevel=2)
-        return None
+    if isa == "amx" and not amx_permitted():  # the build below, as fast everywhere but AMX's tiles
+        warnings.warn("nanospec: no AMX tile state from Linux: the avx512bf16 build", stacklevel=2)
+        isa = "avx512bf16"  # (every AMX Xeon has AVX512-BF16)
     command = [
         os.environ.get("CC", "cc"),
         "-O3",
@@ -186,8 +186,7 @@ def cpu_kernels():
             )
             return None
     lib = ctypes.CDLL(str(library))
-    # (fp16 weights need F16C)
-    lib.amx, lib.f16c, lib.bf16_dot = isa == "amx", isa != "generic", isa == "avx512bf16"
+    lib.isa, lib.f16c = isa, isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
@@ -201,7 +200,7 @@ def kernels_summary(device) -> str:
     """What runs the ops, for the CLI's and bench.py's reports."""
     if torch.device(device).type == "cuda":
         return "triton"
-    c = f"C kernels ({cpu_isa()})" if cpu_kernels() is not None else "torch (no C kernels)"
+    c = f"C kernels ({cpu_kernels().isa})" if cpu_kernels() is not None else "torch (no C kernels)"
     return f"{c}, {torch.get_num_threads()} threads"
 
 
@@ -374,9 +373,9 @@ def c_linear(x, packed, bias, out_features, gated=False):
     # avx512bf16 build's dot product takes bf16 over bf16 at any K. The FMA path takes fp32 rows,
     # widened here once (exactly), so that the kernel's broadcast of x[m, k] is a single load. All
     # walk k in pairs: an odd K gets a zero column (its weights are zero-padded too).
-    w_type, amx = C_TYPES[packed.dtype], lib.amx and packed.shape[1] % 16 == 0
+    w_type, amx = C_TYPES[packed.dtype], lib.isa == "amx" and packed.shape[1] % 16 == 0
     assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
-    x_bf16 = (amx or lib.bf16_dot) and w_type == 1 and rows.dtype == torch.bfloat16
+    x_bf16 = (amx or lib.isa == "avx512bf16") and w_type == 1 and rows.dtype == torch.bfloat16
     if not x_bf16 and rows.dtype != torch.float32:
         rows = rows.float()
     if rows.shape[1] % 2:
