@@ -361,11 +361,6 @@ def taking_turns(fns: dict, rounds: int = 5, repeat: int = 2) -> dict:
     return dict(zip(fns, zip(np.median(times, 0), np.median(times / times[:, :1], 0))))
 
 
-# What loop_instructions counts as a FMA: AVX512-BF16's vdpbf16ps too (one instruction, a pair of
-# k a lane).
-MULTIPLY_ADDS = ("vfmadd", "vdpbf16ps")
-
-
 def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[tuple[int, int]]:
     """(instructions, FMAs) of each innermost loop of the tiles in the disassembly of `function`:
     a number that does not depend on how wide this machine's core is. A loop is a backward jump;
@@ -386,7 +381,8 @@ def loop_instructions(library: str, function: str = "linear._omp_fn.0") -> list[
     ]
     spans = [[op for _, op, _ in code[a : b + 1]] for a, b in inner]
     spans = [ops for ops in spans if not any(op.startswith("vdiv") for op in ops)]
-    counts = [(len(ops), sum(op.startswith(MULTIPLY_ADDS) for op in ops)) for ops in spans]
+    # (AVX512-BF16's vdpbf16ps counts as a FMA: one instruction, a pair of k a lane)
+    counts = [(len(s), sum(op.startswith(("vfmadd", "vdpbf16ps")) for op in s)) for s in spans]
     return [(instructions, fmas) for instructions, fmas in counts if fmas]
 
 

@@ -147,16 +147,19 @@ def cache_dir() -> Path:
 
 
 @functools.cache
-def cpu_kernels():
-    """The compiled C kernels, or None; built and loaded on first call."""
+def cpu_kernels(isa: str | None = None):
+    """The compiled C kernels for this CPU's ISA (or `isa`), or None; built and loaded on first
+    call. Where a build cannot run or compile, the next one down that can: avx512bf16 for amx
+    without Linux's tile state (every AMX Xeon has AVX512-BF16), avx512 for avx512bf16 under a
+    compiler that predates it (GCC 8: RHEL 8, Amazon Linux 2), else the torch references."""
     # missing where an install kept only .py files
     source = Path(__file__).with_name("cpu_kernels.c")
     if os.environ.get("NANOSPEC_CPU_KERNELS", "1") == "0" or not source.exists():
         return None
-    isa = cpu_isa()
-    if isa == "amx" and not amx_permitted():  # the build below, as fast everywhere but AMX's tiles
+    isa = isa or cpu_isa()
+    if isa == "amx" and not amx_permitted():
         warnings.warn("nanospec: no AMX tile state from Linux: the avx512bf16 build", stacklevel=2)
-        isa = "avx512bf16"  # (every AMX Xeon has AVX512-BF16)
+        return cpu_kernels("avx512bf16")
     command = [
         os.environ.get("CC", "cc"),
         "-O3",
@@ -180,11 +183,8 @@ def cpu_kernels():
             subprocess.run(command + ["-o", str(partial)], check=True, capture_output=True)
             partial.rename(library)
         except (OSError, subprocess.CalledProcessError) as error:
-            warnings.warn(
-                f"nanospec: could not build {source.name} ({error}); using the torch CPU path",
-                stacklevel=2,
-            )
-            return None
+            warnings.warn(f"nanospec: no {isa} build of {source.name} ({error})", stacklevel=2)
+            return cpu_kernels("avx512") if isa == "avx512bf16" else None
     lib = ctypes.CDLL(str(library))
     lib.isa, lib.f16c = isa, isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

@@ -470,6 +470,24 @@ def test_amx_refused_by_linux_runs_the_avx512bf16_build(monkeypatch):
     assert "C kernels (avx512bf16)" in kernels.kernels_summary("cpu")
 
 
+def test_a_compiler_without_avx512_bf16_builds_avx512(monkeypatch, tmp_path):
+    """GCC before 9 (RHEL 8's, Amazon Linux 2's) has no -mavx512bf16: cpu_kernels() warns and
+    builds avx512, which runs everything but --dtype bfloat16's dot product, rather than leave a
+    Zen 4 on the torch path."""
+    if kernels.cpu_kernels() is None:
+        pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
+    compiler = tmp_path / "cc"  # the system's, refusing the flag as an old GCC does
+    compiler.write_text('#!/bin/sh\ncase "$*" in *avx512bf16*) exit 1;; esac\nexec cc "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("NANOSPEC_ISA", "avx512bf16")
+    rebuild_cpu_kernels(monkeypatch)
+    with pytest.warns(UserWarning, match="no avx512bf16 build"):
+        assert kernels.cpu_kernels().isa == "avx512"
+    assert "C kernels (avx512)" in kernels.kernels_summary("cpu")
+
+
 def test_auto_dtype_follows_the_hardware(monkeypatch):
     """--dtype auto: with the C kernels, fp32 activations on every CPU (weights packed fp16,
     use_linears), AMX's included; without them, bf16 where torch has bf16 instructions, fp32 on a
