@@ -52,7 +52,7 @@ context: AttentionContext | None = None
 # -mamx-tile). amx (Intel Xeons since Sapphire Rapids) runs the linear layers on AMX's tiles, 16x
 # the multiply-adds a cycle of AVX-512 FMAs (cpu_kernels.c, "Intel AMX"). avx512bf16 (Zen 4-5,
 # Cooper Lake) adds AVX512-BF16's dot product, for bf16 rows over bf16 weights (--dtype bfloat16):
-# a pair of k a lane in one instruction, twice the FMA path's multiply-adds (M=256 2.0x, 1.07x
+# a pair of k a lane in one instruction, twice the FMA path's multiply-adds (M=256 2.0x, 1.1x
 # oneDNN's bf16 GEMM on a Zen 4; BENCHMARKS.md, session 25). --dtype auto keeps fp32 activations
 # over fp16 weights there, as on every CPU: split into bf16 halves they would take 3 dot products
 # where the FMA path takes 2 FMAs (session 21).
