@@ -340,27 +340,24 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
 #endif
 
 // The MLP's gating, for the down projection's rows (linear's `gated`): silu(g) u for LANES of
-// rows [g | u] of 2K (g at p, u at p + K), silu(g) = g / (1 + e^-g), or g e^g / (1 + e^g) below 0
-// (exp_vf takes x <= 0). One formula for every row at every M, like torch's (not bit for bit the
-// same as torch's: within an ulp or two).
-static inline vf silu_mul_vf(const float *p, int64_t K) {
-    vf g = load_vf(p, 0), e = exp_vf((vf)((vu)g | 0x80000000u));  // e^-|g|
-    return g * select_vf(g < 0, e, splat(1.0f)) / (1.0f + e) * load_vf(p + K, 0);
+// rows [g | u], fp32 or bf16 (type), g at p and u `half` bytes on, silu(g) = g / (1 + e^-g), or
+// g e^g / (1 + e^g) below 0 (exp_vf takes x <= 0). One formula for every row at every M, in fp32
+// (not bit for bit torch's: within an ulp or two; a bf16 row is rounded once, at the end).
+static inline vf silu_mul_vf(const char *p, int64_t half, int type) {
+    vf g = load_vf(p, type), e = exp_vf((vf)((vu)g | 0x80000000u));  // e^-|g|
+    return g * select_vf(g < 0, e, splat(1.0f)) / (1.0f + e) * load_vf(p + half, type);
 }
 
 // x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: AMX or AVX512-BF16's dot
-// product, W bf16 too). W packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias
-// fp32 or bf16 (y_bf16). scratch: K * 32 floats a thread, after M * K for x's copy (up to 18 rows,
-// or AMX's halves: kernels.c_linear).
+// product, W bf16 too). amx: the tiles take the product (an amx build, K a multiple of 32, bf16 x
+// or fp16 weights: kernels.c_linear decides); fp32 x is split into halves, x_hi rows first. W
+// packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32 or bf16 (y_bf16).
+// scratch: K * 32 floats a thread, after M * K for x's copy (up to 18 rows, or AMX's halves:
+// kernels.c_linear).
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
-            int x_bf16, int wt, int y_bf16, float *scratch, int threads, int gated) {
+            int x_bf16, int amx, int wt, int y_bf16, float *scratch, int threads, int gated) {
     int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL;
     if (M == 0) return;  // (no tile shape has 0 rows)
-#ifdef __AMX_BF16__
-    int amx = K % 32 == 0 && (x_bf16 || wt == 2);  // fp32 x: split into halves, x_hi rows first
-#else
-    int amx = 0;
-#endif
     // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x
     // interleaved into `scratch` by blocks of MAX_ROWS rows (the last block: what is left), each
     // block [k][its rows], so that a tile reads all its rows' broadcasts through one pointer. With
@@ -370,7 +367,7 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     // same either way. Gated rows (the MLP's down projection, at every M) are always copied, as
     // silu(g) u, in the layout their tiles read.
     int interleaved = !amx && wt == 2 && M <= 3 * MAX_ROWS;
-    int64_t copied_rows = amx ? M * !x_bf16 : (M > 1 && interleaved) || gated ? M : 0;
+    int64_t copied_rows = (amx && !x_bf16) || (M > 1 && interleaved) || gated ? M : 0;
     float *copy = scratch;
     const void *rows = copied_rows ? copy : x;
     scratch += copied_rows * K;
@@ -383,13 +380,17 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
 #pragma omp for collapse(2)
         for (int64_t m = 0; m < copied_rows; m++)
             for (int64_t k0 = 0; k0 < K; k0 += gated ? LANES : 1) {
-                vf v = gated ? silu_mul_vf((const float *)x + m * 2 * K + k0, K)
-                             : splat(((const float *)x)[m * K + k0]);
+                int elem = x_bf16 ? 2 : 4;  // (only gated rows come in bf16)
+                vf v =
+                    gated ? silu_mul_vf((const char *)x + (m * 2 * K + k0) * elem, K * elem, x_bf16)
+                          : splat(((const float *)x)[m * K + k0]);
                 for (int64_t k = k0; k < k0 + (gated ? LANES : 1); k++) {
                     int64_t m0 = m - m % MAX_ROWS, block = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
                     bf16 *half = (bf16 *)copy + m * K + k;  // x_hi (rounded as torch rounds), x_lo
                     float value = v[k - k0];
-                    if (amx)
+                    if (x_bf16)  // gated rows for bf16 tiles (AMX's or the dot product's)
+                        half[0] = to_bf16(value);
+                    else if (amx)
                         half[0] = to_bf16(value), half[M * K] = to_bf16(value - to_f32(half[0]));
                     else
                         copy[interleaved ? m0 * K + k * block + m % MAX_ROWS : m * K + k] = value;

@@ -188,7 +188,7 @@ def cpu_kernels(isa: str | None = None):
     lib = ctypes.CDLL(str(library))
     lib.isa, lib.f16c = isa, isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 5 + [ptr, i32, i32]
+    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 6 + [ptr, i32, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
     lib.paged_attention.argtypes += [i64, ptr, i64, ptr, ptr, ptr]  # rotary's and store_kv's
     lib.paged_attention.argtypes += [ptr, i32, i64, i64, i64]  # per-segment sums; cache strides
@@ -351,14 +351,15 @@ C_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_kernels
 
 def silu_mul_linear(x, layer: "Linear"):
     """The MLP's down projection of silu(gate) * up, x = [gate | up] (2I a multiple of 32: whole
-    vectors). Where the C linear runs with fp32 rows, it gates them itself as it copies them, at
-    every M (one formula a row), instead of three torch ops between two C calls. Those ops cost
+    vectors). Where the C linear runs, it gates the rows itself as it copies them, fp32 or bf16
+    (rounded once, where torch rounds silu's output and then the product), at every M (one
+    formula a row), instead of three torch ops between two C calls. Those ops cost
     5-7 us alone but ~45 us in a forward, where they run right after the gate_up projection has
     streamed 3.5 MB of weights through the caches and evicted what torch's dispatch reads (the
     next op after any large linear pays the same: ~20 us instead of ~3). Measured in one process,
     fused against unfused, default model, context 100: T=1 17.3 -> 15.9 ms, T=9 27.3 -> 25.8
     on avx2; T=1 -4%, T=5 and T=9 -7 to -8%, prefill -8% on AMX (BENCHMARKS.md, session 23)."""
-    if layer.packed is not None and x.dtype == torch.float32 and x.shape[-1] % 32 == 0:
+    if layer.packed is not None and x.shape[-1] % 32 == 0:
         return c_linear(x, layer.packed, layer.bias, layer.out_features, gated=True)
     return linear(silu_mul(x), layer)
 
@@ -395,7 +396,8 @@ def c_linear(x, packed, bias, out_features, gated=False):
     scratch += threads * in_features * 32 if blocked or split else 0
     scratch = cpu_scratch(scratch).data_ptr()
     bias = None if bias is None else bias.data_ptr()
-    dtypes = (x_bf16, w_type, x.dtype == torch.bfloat16)
+    tiles = split or (amx and x_bf16)  # AMX's tiles: fp32 x over fp16 weights, or bf16 over bf16
+    dtypes = (x_bf16, tiles, w_type, x.dtype == torch.bfloat16)
     args = (rows.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), num_rows, out_features)
     lib.linear(*args, in_features, *dtypes, scratch, threads, gated)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
