@@ -341,11 +341,14 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
 
 // The MLP's gating, for the down projection's rows (linear's `gated`): silu(g) u for LANES of
 // rows [g | u], fp32 or bf16 (type), g at p and u `half` bytes on, silu(g) = g / (1 + e^-g), or
-// g e^g / (1 + e^g) below 0 (exp_vf takes x <= 0). One formula for every row at every M, in fp32
-// (not bit for bit torch's: within an ulp or two; a bf16 row is rounded once, at the end).
+// g e^g / (1 + e^g) below 0 (exp_vf takes x <= 0). One formula for every row at every M, like
+// torch's (not bit for bit the same as torch's: within an ulp or two); bf16 rounds silu(g) to
+// bf16 before the product, as torch's two ops do (the caller rounds the product).
 static inline vf silu_mul_vf(const char *p, int64_t half, int type) {
     vf g = load_vf(p, type), e = exp_vf((vf)((vu)g | 0x80000000u));  // e^-|g|
-    return g * select_vf(g < 0, e, splat(1.0f)) / (1.0f + e) * load_vf(p + half, type);
+    vu s = (vu)(g * select_vf(g < 0, e, splat(1.0f)) / (1.0f + e));
+    if (type) s = (s + 0x7FFF + ((s >> 16) & 1)) >> 16 << 16;  // to nearest even, as store_vf
+    return (vf)s * load_vf(p + half, type);
 }
 
 // x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: AMX or AVX512-BF16's dot
