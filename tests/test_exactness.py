@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_kernels import make_paged_batch
+from test_kernels import X_AND_W_DTYPES, make_paged_batch
 
 import kernels
 
@@ -39,16 +39,7 @@ def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
         assert torch.equal(part, full[:m]), f"rows differ when the call has {m} rows"
 
 
-@pytest.mark.parametrize(
-    "x_dtype,w_dtype",
-    [
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.bfloat16),
-        (torch.float32, torch.float16),
-    ],
-    ids=["fp32", "bf16", "bf16-w", "fp16-w"],
-)
+@X_AND_W_DTYPES
 @pytest.mark.parametrize("n,k", [(576, 576), (96, 1536), (37, 21), (40, 64), (24, 100)])
 def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     """Every M walks the same chain: decode's 1 row, verify's few (one pass over the weights; from
@@ -64,16 +55,7 @@ def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     )
 
 
-@pytest.mark.parametrize(
-    "x_dtype,w_dtype",
-    [
-        (torch.float32, torch.float32),
-        (torch.float32, torch.bfloat16),
-        (torch.float32, torch.float16),
-        (torch.bfloat16, torch.bfloat16),
-    ],
-    ids=["fp32", "bf16-w", "fp16-w", "bf16"],
-)
+@X_AND_W_DTYPES
 @pytest.mark.parametrize("k", [1536, 48])  # the default model's; one that ends in a short chunk
 def test_the_gated_c_linear_rows_are_invariant(c_isa, k, x_dtype, w_dtype):
     """The MLP's down projection gates its own rows (silu(gate) * up as the kernel copies them) at

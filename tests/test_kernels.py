@@ -222,6 +222,20 @@ needs_c_kernels = pytest.mark.skipif(
 )
 
 
+# The linears' dtypes, rows' and weights': --dtype float32, bfloat16, and fp32 rows over 16-bit
+# weights (--dtype auto)
+X_AND_W_DTYPES = pytest.mark.parametrize(
+    "x_dtype,w_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
+    ids=["fp32", "bf16", "bf16-w", "fp16-w"],
+)
+
+
 def rebuild_cpu_kernels(monkeypatch):
     """The next cpu_kernels() builds (or finds) and loads the library again, for this test's
     environment; monkeypatch restores the cached one afterwards."""
@@ -342,16 +356,7 @@ def test_kv_cache_dtype(monkeypatch):
 
 
 @needs_c_kernels
-@pytest.mark.parametrize(
-    "x_dtype,w_dtype",
-    [
-        (torch.float32, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
-        (torch.float32, torch.bfloat16),
-        (torch.float32, torch.float16),
-    ],
-    ids=["fp32", "bf16", "bf16-w", "fp16-w"],
-)
+@X_AND_W_DTYPES
 @pytest.mark.parametrize(
     "rows,n,k", [(1, 37, 20), (5, 40, 33), (7, 96, 64), (300, 160, 576), (0, 16, 8)]
 )
