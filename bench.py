@@ -429,14 +429,16 @@ def bench_kernels(argv=None):
     fp32_layers = [torch.nn.Linear(*shape, bias=False).requires_grad_(False) for shape in shapes]
     bf16_native = kernels.torch_bf16_native()  # (AVX512-BF16 without AMX too: Zen 4-5)
     bf16_layers = [layer.bfloat16() for layer in map(copy.deepcopy, fp32_layers)]
-    # the avx512bf16 build's dot product on the same bf16 weights, where it runs
-    bf16_dot = [kernels.Linear(m.weight, None, kernels.pack_weight(m.weight)) for m in bf16_layers]
+    # the avx512bf16 build's dot product on the same bf16 weights, packed only where it runs
+    dot = kernels.cpu_kernels().isa == "avx512bf16"
+    bf16_weights = [m.weight for m in bf16_layers]
+    bf16_dot = [kernels.Linear(w, None, kernels.pack_weight(w)) for w in bf16_weights if dot]
     for rows in (64, 256):
         gemms = {"nanospec": run_linears(rows)}
         gemms["torch fp32 GEMM"] = run_linears(rows, fp32_layers, torch.float32)
         if bf16_native:
             gemms["oneDNN bf16 GEMM"] = run_linears(rows, bf16_layers, torch.bfloat16)
-        if kernels.cpu_kernels().isa == "avx512bf16":
+        if dot:
             gemms["nanospec bf16 (dot product)"] = run_linears(rows, bf16_dot, torch.bfloat16)
         speeds = {n: 2 * rows * macs / s / 1e9 for n, (s, _) in taking_turns(gemms, 3, 1).items()}
         print(f"M={rows}, GFLOP/s: " + ", ".join(f"{n} {v:.0f}" for n, v in speeds.items()))
