@@ -196,8 +196,8 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
             vu xk = (vu){} + ((const uint32_t *)x)[(m0 + r) * K2 + kp];  // x's pair, both halves
             acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xk, (__m512bh) * (const vf_u *)pair);
         }
-        if (wt == 3) continue;
 #endif
+        if (wt == 3) continue;  // (a build without AVX512-BF16 is never asked for wt 3: no loop)
         for (int half = 0; half < 2; half++) {  // k = 2 kp, then 2 kp + 1: the chain's order
             vf wk[PV];
             for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, wt);
