@@ -144,7 +144,11 @@ static inline vf exp_vf(vf x) {
 // whole panel, memory sat idle while the later blocks re-read it from cache. A T=9 forward
 // 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6 instead of 31.0-33.2 on avx512 (chunks of
 // 8 to 128 pairs measured no faster; BENCHMARKS.md, session 22). Storing and reloading an fp32
-// sum keeps its bits: the chain is the same.
+// sum keeps its bits: the chain is the same. The later blocks prefetch a chunk further ahead than
+// the first (AHEAD + CHUNK pairs), so that memory streams through their passes too: the first
+// block's prefetches then find the next chunk on its way (30 matrices of 3072 x 576 at M=9, from
+// DRAM, paired over 20-30 rounds beside an identical control build: 2.2% faster on avx2, 2.1% on
+// avx512bf16; M=13 0.9%; BENCHMARKS.md, session 26).
 #define CHUNK 16
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
@@ -190,7 +194,7 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
     for (int64_t kp = kp0; kp < kp1; kp++) {
         const char *pair = w0 + kp * pair_bytes;
         for (int line = 0; line < pair_bytes; line += 64)
-            __builtin_prefetch(pair + AHEAD * pair_bytes + line);
+            __builtin_prefetch(pair + (m0 ? AHEAD + CHUNK : AHEAD) * pair_bytes + line);
 #ifdef __AVX512BF16__
         for (int r = 0; wt == 3 && r < R; r++) {  // bf16 x and weights: one dot product a pair
             vu xk = (vu){} + ((const uint32_t *)x)[(m0 + r) * K2 + kp];  // x's pair, both halves
