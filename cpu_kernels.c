@@ -381,20 +381,24 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     // Each thread owns an equal run of panels and walks every row through it: its weights stay in
     // its cache while the rows pass, and which thread computes an output never changes its value.
     // The interleaving before the tiles shares the threads too (one parallel region for both: a
-    // T=9 forward 2% faster on avx2, session 19).
+    // T=9 forward 2% faster on avx2, session 19), split by k, LANES of k at a time: each thread
+    // then writes its own cache lines. Split by rows, the two threads wrote the rows of one block,
+    // side by side in the same lines, and each store waited for the line to come back from the
+    // other core: at M=9 and K=576 the copy took 8.8 us a call instead of 1.9, and a T=9 forward
+    // of the default model 1.04-1.10x longer (BENCHMARKS.md, session 26).
 #pragma omp parallel num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
     {
 #pragma omp for collapse(2)
-        for (int64_t m = 0; m < copied_rows; m++)
-            for (int64_t k0 = 0; k0 < K; k0 += gated ? LANES : 1) {
+        for (int64_t k0 = 0; k0 < K; k0 += LANES)
+            for (int64_t m = 0; m < copied_rows; m++) {
                 int elem = x_bf16 ? 2 : 4;  // (only gated rows come in bf16)
                 vf v =
                     gated ? silu_mul_vf((const char *)x + (m * 2 * K + k0) * elem, K * elem, x_bf16)
-                          : splat(((const float *)x)[m * K + k0]);
-                for (int64_t k = k0; k < k0 + (gated ? LANES : 1); k++) {
+                          : (vf){};
+                for (int64_t k = k0; k < k0 + LANES && k < K; k++) {
                     int64_t m0 = m - m % MAX_ROWS, block = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
                     bf16 *half = (bf16 *)copy + m * K + k;  // x_hi (rounded as torch rounds), x_lo
-                    float value = v[k - k0];
+                    float value = gated ? v[k - k0] : ((const float *)x)[m * K + k];
                     if (x_bf16)  // gated rows for bf16 tiles (AMX's or the dot product's)
                         half[0] = to_bf16(value);
                     else if (amx)
