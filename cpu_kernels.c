@@ -148,7 +148,7 @@ static inline vf exp_vf(vf x) {
 // the first (AHEAD + CHUNK pairs), so that memory streams through their passes too: the first
 // block's prefetches then find the next chunk on its way (30 matrices of 3072 x 576 at M=9, from
 // DRAM, paired over 20-30 rounds beside an identical control build: 2.2% faster on avx2, 2.1% on
-// avx512bf16; M=13 0.9%; BENCHMARKS.md, session 26).
+// avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26).
 #define CHUNK 16
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
