@@ -363,7 +363,7 @@ static inline vf silu_mul_vf(const char *p, int64_t half, int type) {
 // kernels.c_linear).
 void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
             int x_bf16, int amx, int wt, int y_bf16, float *scratch, int threads, int gated) {
-    int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL;
+    int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL, vectors = (K + LANES - 1) / LANES;
     if (M == 0) return;  // (no tile shape has 0 rows)
     // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x
     // interleaved into `scratch` by blocks of MAX_ROWS rows (the last block: what is left), each
@@ -373,7 +373,8 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     // weight types read x in place (for prefill the copy cost more than it saved). One row is the
     // same either way. Gated rows (the MLP's down projection, at every M) are always copied, as
     // silu(g) u, in the layout their tiles read.
-    int interleaved = !amx && wt == 2 && M <= 3 * MAX_ROWS;
+    // (elem: the bytes of an element of x; only gated rows come in bf16)
+    int interleaved = !amx && wt == 2 && M <= 3 * MAX_ROWS, elem = x_bf16 ? 2 : 4;
     int64_t copied_rows = (amx && !x_bf16) || (M > 1 && interleaved) || gated ? M : 0;
     float *copy = scratch;
     const void *rows = copied_rows ? copy : x;
@@ -381,17 +382,20 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     // Each thread owns an equal run of panels and walks every row through it: its weights stay in
     // its cache while the rows pass, and which thread computes an output never changes its value.
     // The interleaving before the tiles shares the threads too (one parallel region for both: a
-    // T=9 forward 2% faster on avx2, session 19), split by k, LANES of k at a time: each thread
-    // then writes its own cache lines. Split by rows, the two threads wrote the rows of one block,
-    // side by side in the same lines, and each store waited for the line to come back from the
-    // other core: at M=9 and K=576 the copy took 8.8 us a call instead of 1.9, and a T=9 forward
-    // of the default model 1.04-1.10x longer (BENCHMARKS.md, session 26).
+    // T=9 forward 2% faster on avx2, session 19). Interleaved rows are split between the threads
+    // by k, LANES of k at a time (i: a vector of k, j: a row), so that each thread writes its own
+    // cache lines: split by rows, the two threads wrote the rows of one block, side by side in
+    // the same lines, and each store waited for the line to come back from the other core (at
+    // M=9 and K=576 the copy took 8.8 us a call instead of 1.9, and a T=9 forward of the default
+    // model 1.04-1.10x longer). Row-major copies (a prefill's gated rows, AMX's halves) stay split
+    // by rows (i: a row, j: a vector of k): each thread's rows are then one run of memory, and
+    // split by k a 700-row gated copy took 1.7x as long (BENCHMARKS.md, session 26).
 #pragma omp parallel num_threads(threads) if (M * N * (int64_t)K > 1 << 16)
     {
 #pragma omp for collapse(2)
-        for (int64_t k0 = 0; k0 < K; k0 += LANES)
-            for (int64_t m = 0; m < copied_rows; m++) {
-                int elem = x_bf16 ? 2 : 4;  // (only gated rows come in bf16)
+        for (int64_t i = 0; i < (interleaved ? vectors : copied_rows); i++)
+            for (int64_t j = 0; j < (interleaved ? copied_rows : vectors); j++) {
+                int64_t m = interleaved ? j : i, k0 = (interleaved ? i : j) * LANES;
                 vf v =
                     gated ? silu_mul_vf((const char *)x + (m * 2 * K + k0) * elem, K * elem, x_bf16)
                           : (vf){};

@@ -5,6 +5,9 @@ import contextlib
 import functools
 import os
 import random
+import shutil
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -441,6 +444,25 @@ def test_c_kernels_dispatch_and_fallback(monkeypatch, tmp_path):
     rebuild_cpu_kernels(monkeypatch)
     monkeypatch.setenv("NANOSPEC_CPU_KERNELS", "0")
     assert kernels.cpu_kernels() is None
+
+
+@pytest.mark.parametrize("isa", list(kernels.ISA_NEEDS))
+def test_every_isa_build_compiles_wherever_there_is_a_compiler(isa, tmp_path):
+    """The C tests skip where cpu_kernels.c did not build (a machine without a compiler), so a
+    source that does not compile would pass the suite on the torch path. With a compiler here, the
+    native build must load, and every ISA's build must compile, those this CPU cannot run too:
+    the AMX code is only compiled in the amx build (at -O0: a second each, not twenty)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        pytest.skip("no C compiler")
+    assert kernels.cpu_kernels() is not None
+    flags = [
+        f"-m{flag.replace('amx_', 'amx-').replace('_', '')}" for flag in kernels.ISA_NEEDS[isa]
+    ]
+    source = Path(kernels.__file__).with_name("cpu_kernels.c")
+    command = [compiler, "-O0", "-fopenmp", "-fPIC", "-Wno-psabi", "-c", *flags, str(source)]
+    built = subprocess.run(command + ["-o", str(tmp_path / "k.o")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
 
 
 def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
