@@ -146,6 +146,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANOSPEC_CACHE", os.path.expanduser("~/.cache/nanospec")))
 
 
+def build_command(isa: str, source: Path) -> list[str]:
+    """The compiler's command line for one ISA's build of `source`, but for its output (the cache
+    key hashes it; the tests compile every ISA's build with it)."""
+    flags = [f"-m{flag.replace('amx_', 'amx-').replace('_', '')}" for flag in ISA_NEEDS[isa]]
+    compiler = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=fast", "-fopenmp", "-shared"]
+    return [*compiler, "-fPIC", "-Wno-psabi", *flags, str(source)]
+
+
 @functools.cache
 def cpu_kernels(isa: str | None = None):
     """The compiled C kernels for this CPU's ISA (or `isa`), or None; built and loaded on first
@@ -160,17 +168,7 @@ def cpu_kernels(isa: str | None = None):
     if isa == "amx" and not amx_permitted():
         warnings.warn("nanospec: no AMX tile state from Linux: the avx512bf16 build", stacklevel=2)
         return cpu_kernels("avx512bf16")
-    command = [
-        os.environ.get("CC", "cc"),
-        "-O3",
-        "-ffp-contract=fast",
-        "-fopenmp",
-        "-shared",
-        "-fPIC",
-        "-Wno-psabi",
-        *(f"-m{flag.replace('amx_', 'amx-').replace('_', '')}" for flag in ISA_NEEDS[isa]),
-        str(source),
-    ]
+    command = build_command(isa, source)
     # Keyed by source, compiler and ISA flags: a cache on a shared disk never loads another CPU's
     # build.
     key = hashlib.sha1(source.read_bytes() + " ".join(command).encode()).hexdigest()[:12]

@@ -456,18 +456,15 @@ def test_every_isa_build_compiles_wherever_there_is_a_compiler(isa, tmp_path):
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         pytest.skip("no C compiler")
-    flags = [
-        f"-m{flag.replace('amx_', 'amx-').replace('_', '')}" for flag in kernels.ISA_NEEDS[isa]
-    ]
-    (tmp_path / "probe.c").write_text(
-        "#include <omp.h>\nint threads(void) { return omp_get_max_threads(); }\n"
-    )
-    output = ["-o", str(tmp_path / "k.o")]
-    command = [compiler, "-O0", "-fopenmp", "-fPIC", "-Wno-psabi", "-c", *flags, *output]
-    if subprocess.run(command + [str(tmp_path / "probe.c")], capture_output=True).returncode:
-        pytest.skip(f"{compiler} cannot build OpenMP code with {' '.join(flags) or 'no flags'}")
-    source = Path(kernels.__file__).with_name("cpu_kernels.c")
-    built = subprocess.run(command + [str(source)], capture_output=True, text=True)
+    probe = tmp_path / "probe.c"
+    probe.write_text("#include <omp.h>\nint threads(void) { return omp_get_max_threads(); }\n")
+    # kernels' own command, compiling an object file at -O0
+    *command, source = kernels.build_command(isa, Path(kernels.__file__).with_name("cpu_kernels.c"))
+    command = [{"-O3": "-O0", "-shared": "-c"}.get(a, a) for a in command]
+    command += ["-o", str(tmp_path / "k.o")]
+    if subprocess.run(command + [str(probe)], capture_output=True).returncode:
+        pytest.skip(f"{compiler} cannot build OpenMP code with the {isa} build's flags")
+    built = subprocess.run(command + [source], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     if isa == kernels.cpu_isa():
         assert kernels.cpu_kernels() is not None
