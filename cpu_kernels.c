@@ -113,42 +113,48 @@ static inline vf exp_vf(vf x) {
 // whatever the step around it.
 //
 // A tile of R rows x one panel keeps its R * PV accumulators in registers for the whole of K and
-// reads each weight once for its R rows: a decode or verify step (M <= 6) streams the weights from
-// memory exactly once, so verifying K+1 rows costs little more than one. One panel, not several
-// side by side: each thread then reads a single sequential stream, and tiles of 2-4 panels
-// (more accumulators to hide the FMA latency) measured slower at every M on every build: M=1 8-17%
-// on AVX2, M=1-6 15-25% and prefill 10-13% on AVX-512 (BENCHMARKS.md, session 18). Up to 18 rows,
-// the row blocks of 6 re-read (from L1, a chunk of K at a time: CHUNK below) and re-widen a
-// thread's weights; beyond (prefill), each panel of 16-bit weights is widened once into an fp32
-// buffer that every row block reads (measured: direct wins below 19 rows, widened above;
-// BENCHMARKS.md, session 12). The whole panel, K x 16 floats (36-98 KB for the default model: L2),
-// not chunks in L1: as fast on avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of k,
-// 175-189 whole; BENCHMARKS.md, session 20). What makes it fast is what the loop does not do:
+// reads each weight once for its R rows: a decode or verify step (M <= 6; on AVX-512 M <= 12)
+// streams the weights from memory exactly once, so verifying K+1 rows costs little more than one.
+// One panel, not several side by side: each thread then reads a single sequential stream, and tiles
+// of 2-4 panels (more accumulators to hide the FMA latency) measured slower at every M on every
+// build: M=1 8-17% on AVX2, M=1-6 15-25% and prefill 10-13% on AVX-512 (BENCHMARKS.md, session 18).
+// Up to 18 rows, the row blocks (ROW_BLOCK) re-read (from L1, a chunk of K at a time: CHUNK below)
+// and re-widen a thread's weights; beyond (prefill), each panel of 16-bit weights is widened once
+// into an fp32 buffer that every row block reads (measured: direct wins below 19 rows, widened
+// above; BENCHMARKS.md, session 12). The whole panel, K x 16 floats (36-98 KB for the default
+// model: L2), not chunks in L1: as fast on avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of
+// k, 175-189 whole; BENCHMARKS.md, session 20). What makes it fast is what the loop does not do:
 // every shape and dtype is a compile-time constant (no flag tests, no spilled row pointers), and
 // x is fp32 before the call, so a broadcast is one load. `bench.py kernels` counts the
 // instructions per FMA of the inner loops.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
-// The rows a tile takes: AVX2 keeps 6 rows x 2 vectors of accumulators in 12 of its 16 registers,
-// SSE 2 rows x 4 in 8; AVX-512 takes 6 rows too (6 of its 32 registers: more rows would mean more
-// tile instances to compile).
+// The rows of a row block: AVX2 keeps 6 rows x 2 vectors of accumulators in 12 of its 16
+// registers, SSE 2 rows x 4 in 8. AVX-512 keeps a panel row in one vector and has 32 registers, so
+// a verify step of up to 12 rows is one block of up to 12 accumulators: each weight is widened once
+// and every FMA chain overlaps 6 others or more. As 6 + 2 or 6 + 3 rows, the last block had 2-3
+// chains against an FMA latency of 4 and re-read the panel (default model, avx512bf16 on a Zen 4,
+// paired with a control build: a T=8 or T=9 forward 7-15% faster, T=12 16%; beyond 12 rows,
+// blocks of 12 measured slower than blocks of 6, and prefill stays in blocks of 6 too;
+// BENCHMARKS.md, session 27). The same bits: a row's chain never depends on its block.
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
+#define ROW_BLOCK(M) ((M) <= (LANES == 16 ? 2 * MAX_ROWS : MAX_ROWS) ? (int)(M) : MAX_ROWS)
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
 // on AVX2, session 10).
 #define AHEAD 32
-// A verify step of 7-18 rows (2-3 row blocks of 6) walks each panel in chunks of CHUNK pairs of k
-// (1 KB of fp16 weights), every row block through a chunk before the next chunk, the blocks'
-// accumulators kept in `sums` between chunks. The second block's pass then reads the chunk from L1
-// while the first block's prefetches keep the memory stream going; with each block walking the
-// whole panel, memory sat idle while the later blocks re-read it from cache. A T=9 forward
-// 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6 instead of 31.0-33.2 on avx512 (chunks of
-// 8 to 128 pairs measured no faster; BENCHMARKS.md, session 22). Storing and reloading an fp32
-// sum keeps its bits: the chain is the same. The later blocks prefetch a chunk further ahead than
-// the first (AHEAD + CHUNK pairs), so that memory streams through their passes too: the first
-// block's prefetches then find the next chunk on its way (30 matrices of 3072 x 576 at M=9, from
-// DRAM, paired over 20-30 rounds beside an identical control build: 2.2% faster on avx2, 2.1% on
-// avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26).
+// A verify step of 7-18 rows in 2-3 row blocks of 6 (13-18 on AVX-512) walks each panel in chunks
+// of CHUNK pairs of k (1 KB of fp16 weights), every row block through a chunk before the next
+// chunk, the blocks' accumulators kept in `sums` between chunks. The second block's pass then reads
+// the chunk from L1 while the first block's prefetches keep the memory stream going; with each
+// block walking the whole panel, memory sat idle while the later blocks re-read it from cache. A
+// T=9 forward 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6 instead of 31.0-33.2 on avx512
+// (chunks of 8 to 128 pairs measured no faster; BENCHMARKS.md, session 22). Storing and reloading
+// an fp32 sum keeps its bits: the chain is the same. The later blocks prefetch a chunk further
+// ahead than the first (AHEAD + CHUNK pairs), so that memory streams through their passes too: the
+// first block's prefetches then find the next chunk on its way (30 matrices of 3072 x 576 at M=9,
+// from DRAM, paired over 20-30 rounds beside an identical control build: 2.2% faster on avx2, 2.1%
+// on avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26).
 #define CHUNK 16
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
@@ -188,7 +194,7 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 static inline __attribute__((always_inline)) void
 tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
      int64_t K2, int64_t kp0, int64_t kp1, vf_u *sums, const int R, const int wt, int y_bf16) {
-    vf acc[MAX_ROWS * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
+    vf acc[2 * MAX_ROWS * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
     for (int i = 0; i < R * PV; i++) acc[i] = kp0 ? (vf)sums[i] : (vf){};
     const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
     for (int64_t kp = kp0; kp < kp1; kp++) {
@@ -217,15 +223,16 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
     if (kp1 == K2) store_tile(acc, bias, y, m0, p0, N, R, y_bf16);
 }
 
-// Every row count a tile can have, each compiled as its own instance.
+// Every row count a tile can have, each compiled as its own instance (7-12: AVX-512 only).
 #define ROWS(R)                                                                                    \
     case R:                                                                                        \
-        if (R <= MAX_ROWS) tile(x, w0, bias, y, m0, p0, N, K2, kp0, kp1, sums, R, wt, y_bf16);     \
+        if (R == ROW_BLOCK(R)) tile(x, w0, bias, y, m0, p0, N, K2, kp0, kp1, sums, R, wt, y_bf16); \
         break;
+#define ROWS2(R1, R2) ROWS(R1) ROWS(R2)
 static inline __attribute__((always_inline)) void
 tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
           int64_t K2, int64_t kp0, int64_t kp1, vf_u *sums, int rows, const int wt, int y_bf16) {
-    switch (rows) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) }
+    switch (rows) { ROWS2(1, 7) ROWS2(2, 8) ROWS2(3, 9) ROWS2(4, 10) ROWS2(5, 11) ROWS2(6, 12) }
 }
 
 // The tiles of one thread: its share of the panels, one at a time; every row block walks a panel
@@ -235,7 +242,7 @@ static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, int y_bf16) {
     int blocked = (wt == 1 || wt == 2) && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
-    int64_t chunk = M > MAX_ROWS && M <= 3 * MAX_ROWS ? CHUNK : K2;
+    int64_t chunk = M > ROW_BLOCK(M) && M <= 3 * MAX_ROWS ? CHUNK : K2, block = ROW_BLOCK(M);
     vf_u sums[3 * MAX_ROWS * PV];  // the row blocks' accumulators between chunks
     for (int p0 = first; p0 < last; p0++) {
         const char *w0 = (const char *)w + p0 * K2 * PANEL * (wt ? 4 : 8);
@@ -247,8 +254,8 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
                     *(vf_u *)(scratch + (kp * 2 + half) * PANEL + v * LANES) =
                         widen(w0 + kp * PANEL * 4, v, half, wt);
         for (int64_t kp0 = 0; kp0 < K2; kp0 += chunk)
-            for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-                int rows = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+            for (int64_t m0 = 0; m0 < M; m0 += block) {
+                int rows = M - m0 < block ? (int)(M - m0) : (int)block;
                 int64_t kp1 = kp0 + chunk < K2 ? kp0 + chunk : K2;
 #define TILES(W, WT)                                                                               \
     tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + m0 * PV, rows, WT, y_bf16)
@@ -366,7 +373,7 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL, vectors = (K + LANES - 1) / LANES;
     if (M == 0) return;  // (no tile shape has 0 rows)
     // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x
-    // interleaved into `scratch` by blocks of MAX_ROWS rows (the last block: what is left), each
+    // interleaved into `scratch` by row blocks (ROW_BLOCK; the last block: what is left), each
     // block [k][its rows], so that a tile reads all its rows' broadcasts through one pointer. With
     // a pointer a row, GCC kept six of them on the stack and reloaded them every k: 6 of the 52
     // instructions for 24 FMAs of the 6-row tile on avx2. Prefill's blocked tiles and the other
@@ -396,11 +403,10 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
         for (int64_t i = 0; i < (interleaved ? vectors : copied_rows); i++)
             for (int64_t j = 0; j < (interleaved ? copied_rows : vectors); j++) {
                 int64_t m = interleaved ? j : i, k0 = (interleaved ? i : j) * LANES;
-                vf v =
-                    gated ? silu_mul_vf((const char *)x + (m * 2 * K + k0) * elem, K * elem, x_bf16)
-                          : (vf){};
+                const char *gate = (const char *)x + (m * 2 * K + k0) * elem;  // (gated rows)
+                vf v = gated ? silu_mul_vf(gate, K * elem, x_bf16) : (vf){};
                 for (int64_t k = k0; k < k0 + LANES && k < K; k++) {
-                    int64_t m0 = m - m % MAX_ROWS, block = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+                    int64_t rb = ROW_BLOCK(M), m0 = m - m % rb, block = M - m0 < rb ? M - m0 : rb;
                     bf16 *half = (bf16 *)copy + m * K + k;  // x_hi (rounded as torch rounds), x_lo
                     float value = gated ? v[k - k0] : ((const float *)x)[m * K + k];
                     if (x_bf16)  // gated rows for bf16 tiles (AMX's or the dot product's)
@@ -408,7 +414,7 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
                     else if (amx)
                         half[0] = to_bf16(value), half[M * K] = to_bf16(value - to_f32(half[0]));
                     else
-                        copy[interleaved ? m0 * K + k * block + m % MAX_ROWS : m * K + k] = value;
+                        copy[interleaved ? m0 * K + k * block + m % rb : m * K + k] = value;
                 }
             }
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -451,11 +457,8 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
         int64_t at = (int64_t)r * hidden;
         for (int i = 0; i < hidden; i++) {
             float v = get(x, at + i, is_bf16);
-            if (residual) {
-                v = rounded(v + get(residual, at + i, is_bf16), is_bf16);
-                put(residual_out, at + i, v, is_bf16);
-            }
-            row[i] = v;
+            row[i] = residual ? rounded(v + get(residual, at + i, is_bf16), is_bf16) : v;
+            if (residual) put(residual_out, at + i, row[i], is_bf16);
         }
 #pragma omp simd reduction(+ : sum_sq)
         for (int i = 0; i < hidden; i++) sum_sq += row[i] * row[i];
