@@ -193,9 +193,9 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 // takes, so nothing is widened.
 static inline __attribute__((always_inline)) void
 tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
-     int64_t K2, int64_t kp0, int64_t kp1, vf_u *sums, const int R, const int wt, int y_bf16) {
+     int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int wt, int y_bf16) {
     vf acc[2 * MAX_ROWS * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
-    for (int i = 0; i < R * PV; i++) acc[i] = kp0 ? (vf)sums[i] : (vf){};
+    for (int i = 0; i < R * PV; i++) acc[i] = kp0 ? sums[i] : (vf){};
     const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
     for (int64_t kp = kp0; kp < kp1; kp++) {
         const char *pair = w0 + kp * pair_bytes;
@@ -219,8 +219,12 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
             }
         }
     }
-    for (int i = 0; kp1 < K2 && i < R * PV; i++) sums[i] = acc[i];  // to go on from kp1
-    if (kp1 == K2) store_tile(acc, bias, y, m0, p0, N, R, y_bf16);
+    // To go on from kp1, or to store: store_tile reads `sums`, never acc. Handed acc itself, GCC
+    // kept the accumulators in a stack array around the loop, and every chunk's restart copied
+    // them twice through memory, store by reload (paired with a control build: a T=9 forward 6.5%
+    // faster on avx2, T=18 6.6% on avx512bf16; BENCHMARKS.md, session 27).
+    for (int i = 0; i < R * PV; i++) sums[i] = acc[i];
+    if (kp1 == K2) store_tile(sums, bias, y, m0, p0, N, R, y_bf16);
 }
 
 // Every row count a tile can have, each compiled as its own instance (7-12: AVX-512 only).
@@ -231,7 +235,7 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
 #define ROWS2(R1, R2) ROWS(R1) ROWS(R2)
 static inline __attribute__((always_inline)) void
 tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
-          int64_t K2, int64_t kp0, int64_t kp1, vf_u *sums, int rows, const int wt, int y_bf16) {
+          int64_t K2, int64_t kp0, int64_t kp1, vf *sums, int rows, const int wt, int y_bf16) {
     switch (rows) { ROWS2(1, 7) ROWS2(2, 8) ROWS2(3, 9) ROWS2(4, 10) ROWS2(5, 11) ROWS2(6, 12) }
 }
 
@@ -243,7 +247,8 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
               int first, int last, float *scratch, const int wt, int y_bf16) {
     int blocked = (wt == 1 || wt == 2) && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
     int64_t chunk = M > ROW_BLOCK(M) && M <= 3 * MAX_ROWS ? CHUNK : K2, block = ROW_BLOCK(M);
-    vf_u sums[3 * MAX_ROWS * PV];  // the row blocks' accumulators between chunks
+    // the row blocks' accumulators between chunks, or on their way to y
+    vf sums[3 * MAX_ROWS * PV];
     for (int p0 = first; p0 < last; p0++) {
         const char *w0 = (const char *)w + p0 * K2 * PANEL * (wt ? 4 : 8);
         // Prefill: the panel's pairs of k widened from 16 bits once into an fp32 copy that every
@@ -257,8 +262,10 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
             for (int64_t m0 = 0; m0 < M; m0 += block) {
                 int rows = M - m0 < block ? (int)(M - m0) : (int)block;
                 int64_t kp1 = kp0 + chunk < K2 ? kp0 + chunk : K2;
+// (a block's sums at its rows; past 18 rows, no chunks: each tile's go to y at once, anywhere)
 #define TILES(W, WT)                                                                               \
-    tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + m0 * PV, rows, WT, y_bf16)
+    tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + m0 % (3 * MAX_ROWS) * PV, rows, WT,   \
+              y_bf16)
                 blocked ? TILES((const char *)scratch, 0) : TILES(w0, wt);
             }
     }
