@@ -113,7 +113,7 @@ static inline vf exp_vf(vf x) {
 // whatever the step around it.
 //
 // A tile of R rows x one panel keeps its R * PV accumulators in registers for the whole of K and
-// reads each weight once for its R rows: a decode or verify step (M <= 6; on AVX-512 M <= 12)
+// reads each weight once for its R rows: a decode or verify step (M <= 6; on AVX-512 M <= 16)
 // streams the weights from memory exactly once, so verifying K+1 rows costs little more than one.
 // One panel, not several side by side: each thread then reads a single sequential stream, and tiles
 // of 2-4 panels (more accumulators to hide the FMA latency) measured slower at every M on every
@@ -131,19 +131,19 @@ static inline vf exp_vf(vf x) {
 #define PV (PANEL / LANES)  // vectors per panel row
 // The rows of a row block: AVX2 keeps 6 rows x 2 vectors of accumulators in 12 of its 16
 // registers, SSE 2 rows x 4 in 8. AVX-512 keeps a panel row in one vector and has 32 registers, so
-// a verify step of up to 12 rows is one block of up to 12 accumulators: each weight is widened once
+// a verify step of up to 16 rows is one block of up to 16 accumulators: each weight is widened once
 // and every FMA chain overlaps 6 others or more. As 6 + 2 or 6 + 3 rows, the last block had 2-3
 // chains against an FMA latency of 4 and re-read the panel (default model, avx512bf16 on a Zen 4,
-// paired with a control build: a T=8 or T=9 forward 7-15% faster, T=12 16%; beyond 12 rows,
-// blocks of 12 measured slower than blocks of 6, and prefill stays in blocks of 6 too;
-// BENCHMARKS.md, session 27). The same bits: a row's chain never depends on its block.
+// paired with a control build: T=7-12 forwards 6-8% faster, T=13-16 3-7%). 17 and 18 rows stay in
+// blocks of 6 (as one block: 18 accumulators and 18 broadcasts spill, T=18 2x slower), and so does
+// prefill (BENCHMARKS.md, session 27). The same bits: a row's chain never depends on its block.
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
-#define ROW_BLOCK(M) ((M) <= (LANES == 16 ? 2 * MAX_ROWS : MAX_ROWS) ? (int)(M) : MAX_ROWS)
+#define ROW_BLOCK(M) ((M) <= (LANES == 16 ? 16 : MAX_ROWS) ? (int)(M) : MAX_ROWS)
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
 // on AVX2, session 10).
 #define AHEAD 32
-// A verify step of 7-18 rows in 2-3 row blocks of 6 (13-18 on AVX-512) walks each panel in chunks
+// A verify step of 7-18 rows in 2-3 row blocks of 6 (17-18 on AVX-512) walks each panel in chunks
 // of CHUNK pairs of k (1 KB of fp16 weights), every row block through a chunk before the next
 // chunk, the blocks' accumulators kept in `sums` between chunks. The second block's pass then reads
 // the chunk from L1 while the first block's prefetches keep the memory stream going; with each
@@ -194,7 +194,7 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 static inline __attribute__((always_inline)) void
 tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
      int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int wt, int y_bf16) {
-    vf acc[2 * MAX_ROWS * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
+    vf acc[16 * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
     for (int i = 0; i < R * PV; i++) acc[i] = kp0 ? sums[i] : (vf){};
     const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
     for (int64_t kp = kp0; kp < kp1; kp++) {
@@ -227,16 +227,16 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
     if (kp1 == K2) store_tile(sums, bias, y, m0, p0, N, R, y_bf16);
 }
 
-// Every row count a tile can have, each compiled as its own instance (7-12: AVX-512 only).
+// Every row count a tile can have, each compiled as its own instance (7-16: AVX-512 only).
 #define ROWS(R)                                                                                    \
     case R:                                                                                        \
         if (R == ROW_BLOCK(R)) tile(x, w0, bias, y, m0, p0, N, K2, kp0, kp1, sums, R, wt, y_bf16); \
         break;
-#define ROWS2(R1, R2) ROWS(R1) ROWS(R2)
+#define ROWS4(R1, R2, R3, R4) ROWS(R1) ROWS(R2) ROWS(R3) ROWS(R4)
 static inline __attribute__((always_inline)) void
 tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
           int64_t K2, int64_t kp0, int64_t kp1, vf *sums, int rows, const int wt, int y_bf16) {
-    switch (rows) { ROWS2(1, 7) ROWS2(2, 8) ROWS2(3, 9) ROWS2(4, 10) ROWS2(5, 11) ROWS2(6, 12) }
+    switch (rows) { ROWS4(1, 5, 9, 13) ROWS4(2, 6, 10, 14) ROWS4(3, 7, 11, 15) ROWS4(4, 8, 12, 16) }
 }
 
 // The tiles of one thread: its share of the panels, one at a time; every row block walks a panel
