@@ -221,8 +221,8 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
     }
     // To go on from kp1, or to store: store_tile reads `sums`, never acc. Handed acc itself, GCC
     // kept the accumulators in a stack array around the loop, and every chunk's restart copied
-    // them twice through memory, store by reload (paired with a control build: a T=9 forward 6.5%
-    // faster on avx2, T=18 6.6% on avx512bf16; BENCHMARKS.md, session 27).
+    // them twice through memory, store by reload (paired with a control build: a T=9 forward 3-6.5%
+    // faster on avx2 in three runs, T=18 6.6% on avx512bf16; BENCHMARKS.md, session 27).
     for (int i = 0; i < R * PV; i++) sums[i] = acc[i];
     if (kp1 == K2) store_tile(sums, bias, y, m0, p0, N, R, y_bf16);
 }
@@ -262,7 +262,8 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
             for (int64_t m0 = 0; m0 < M; m0 += block) {
                 int rows = M - m0 < block ? (int)(M - m0) : (int)block;
                 int64_t kp1 = kp0 + chunk < K2 ? kp0 + chunk : K2;
-// (a block's sums at its rows; past 18 rows, no chunks: each tile's go to y at once, anywhere)
+// (each row block's sums at its own rows; past 18 rows there are no chunks, each tile's sums go to
+// y at once, and m0 % 18 just keeps them inside the array)
 #define TILES(W, WT)                                                                               \
     tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + m0 % (3 * MAX_ROWS) * PV, rows, WT,   \
               y_bf16)
