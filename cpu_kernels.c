@@ -138,7 +138,9 @@ static inline vf exp_vf(vf x) {
 // blocks of 6 (as one block: 18 accumulators and 18 broadcasts spill, T=18 2x slower), and so does
 // prefill (BENCHMARKS.md, session 27). The same bits: a row's chain never depends on its block.
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
-#define ROW_BLOCK(M) ((M) <= (LANES == 16 ? 16 : MAX_ROWS) ? (int)(M) : MAX_ROWS)
+// the most rows one block can have (a tile's accumulators)
+#define MAX_BLOCK (LANES == 16 ? 16 : MAX_ROWS)
+#define ROW_BLOCK(M) ((M) <= MAX_BLOCK ? (int)(M) : MAX_ROWS)
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
 // on AVX2, session 10).
@@ -194,7 +196,7 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 static inline __attribute__((always_inline)) void
 tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
      int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int wt, int y_bf16) {
-    vf acc[16 * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
+    vf acc[MAX_BLOCK * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
     for (int i = 0; i < R * PV; i++) acc[i] = kp0 ? sums[i] : (vf){};
     const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
     for (int64_t kp = kp0; kp < kp1; kp++) {
@@ -246,7 +248,7 @@ static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, int y_bf16) {
     int blocked = (wt == 1 || wt == 2) && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
-    int64_t chunk = M > ROW_BLOCK(M) && M <= 3 * MAX_ROWS ? CHUNK : K2, block = ROW_BLOCK(M);
+    int64_t block = ROW_BLOCK(M), chunk = M > block && M <= 3 * MAX_ROWS ? CHUNK : K2;
     // the row blocks' accumulators between chunks, or on their way to y
     vf sums[3 * MAX_ROWS * PV];
     for (int p0 = first; p0 < last; p0++) {
