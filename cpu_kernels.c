@@ -143,7 +143,10 @@ static inline vf exp_vf(vf x) {
 #define ROW_BLOCK(M) ((M) <= MAX_BLOCK ? (int)(M) : MAX_ROWS)
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
-// on AVX2, session 10).
+// on AVX2, session 10). Non-temporal (prefetchnta: the weights are read once a step, so they
+// need not displace what the step reuses): T=1 and T=5 forwards 2-5% faster on avx2 in six runs
+// paired with a control build, the same on avx512 and avx512bf16, prefill and the linears' own
+// GB/s from DRAM unchanged, so the gain is in the work around the linears (session 28).
 #define AHEAD 32
 // A verify step of 7-18 rows in 2-3 row blocks of 6 (17-18 on AVX-512) walks each panel in chunks
 // of CHUNK pairs of k (1 KB of fp16 weights), every row block through a chunk before the next
@@ -202,7 +205,7 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
     for (int64_t kp = kp0; kp < kp1; kp++) {
         const char *pair = w0 + kp * pair_bytes;
         for (int line = 0; line < pair_bytes; line += 64)
-            __builtin_prefetch(pair + (m0 ? AHEAD + CHUNK : AHEAD) * pair_bytes + line);
+            __builtin_prefetch(pair + (m0 ? AHEAD + CHUNK : AHEAD) * pair_bytes + line, 0, 0);
 #ifdef __AVX512BF16__
         for (int r = 0; wt == 3 && r < R; r++) {  // bf16 x and weights: one dot product a pair
             vu xk = (vu){} + ((const uint32_t *)x)[(m0 + r) * K2 + kp];  // x's pair, both halves
@@ -419,12 +422,11 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
                     int64_t rb = ROW_BLOCK(M), m0 = m - m % rb, block = M - m0 < rb ? M - m0 : rb;
                     bf16 *half = (bf16 *)copy + m * K + k;  // x_hi (rounded as torch rounds), x_lo
                     float value = gated ? v[k - k0] : ((const float *)x)[m * K + k];
-                    if (x_bf16)  // gated rows for bf16 tiles (AMX's or the dot product's)
-                        half[0] = to_bf16(value);
-                    else if (amx)
-                        half[0] = to_bf16(value), half[M * K] = to_bf16(value - to_f32(half[0]));
-                    else
+                    if (!x_bf16 && !amx)
                         copy[interleaved ? m0 * K + k * block + m % rb : m * K + k] = value;
+                    else  // gated rows for bf16 tiles (AMX's or the dot product's), or AMX's x_hi
+                        half[0] = to_bf16(value);
+                    if (amx && !x_bf16) half[M * K] = to_bf16(value - to_f32(half[0]));  // x_lo
                 }
             }
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -631,9 +633,10 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
     // rotated first (neox rotary, into `rotated`), rounded like torch_rotary: each product
     // rounded, then their difference or sum. The keys and values then go into their slots,
     // rounded to the cache's type (kernels.store_kv's contract). One call a layer instead of
-    // rotary, store_kv and attention.
+    // rotary, store_kv and attention. A verify step's rotary shares the threads too (its 5-9 rows:
+    // the step's attention call 2-5% faster on avx2, session 28).
     int heads = num_heads + num_kv_heads, half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (num_tokens > 16)
+#pragma omp parallel for schedule(static) num_threads(threads) if (num_tokens > 1)
     for (int t = 0; t < (cos_sin ? num_tokens : 0); t++)
         for (int64_t h = 0; h < heads; h++)
             for (int i = 0; i < half; i++) {
@@ -657,11 +660,16 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
     // the threads), and no smaller: every item widens its keys and values once for all its
     // queries (measured: a T=5 or T=9 step's attention 10% faster than with two items a thread,
     // session 15; counting whole segments, T=5 at 2,000 tokens 5-9% faster and the same below
-    // 1,024, session 17; a short last segment adds an item but little work).
-    int block = tree_pos ? 1 : QUERY_BLOCK, whole = max_blocks * block_size / segment_keys;
+    // 1,024, session 17; a short last segment adds an item but little work). A sequence's queries
+    // (per_seq: their mean count over the sequences) are split into `split` blocks of even size,
+    // the items a multiple of the threads: 9 queries as 5 + 4, not 8 + 1, whose three items of 8
+    // kept one of two threads busy while the other waited (T=9 at 109-300 tokens of context 4-8%
+    // faster on avx2, session 28). Which item computes a query never changes its bits.
+    int whole = max_blocks * block_size / segment_keys, per_seq = num_tokens / num_seqs;
     int segments = (max_blocks * block_size + segment_keys - 1) / segment_keys;  // at most
-    while (block > 1 && num_tokens * num_kv_heads * (whole ? whole : 1) / block < threads)
-        block /= 2;
+    int split = tree_pos ? per_seq : (per_seq + QUERY_BLOCK - 1) / QUERY_BLOCK;
+    while (split < per_seq && split * num_kv_heads * (whole ? whole : 1) % threads) split++;
+    int block = split ? (per_seq + split - 1) / split : 1;
     int64_t items = (int64_t)num_tokens * num_kv_heads * segments;
 // Items start at every token and segment; all but each block's first query return at once.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (items > 1)
