@@ -126,7 +126,7 @@ def apply(owners: list[tuple], logits: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Structured output: llguidance (README, "Dependencies"): a matcher per request, fed the committed
-# tokens; drafts are consumed for their masks and rolled back.
+# tokens; drafts are fed to copies of it for their masks.
 def check_request(engine, params) -> "Grammar | None":
     """add_request's checks of the controls that need the engine's model (token ids in the
     vocabulary, the grammar compiles): a ValueError naming the field, before the request joins a
@@ -213,19 +213,19 @@ class Grammar:
 
     def forbidden_after(self, paths: list[list[int]]) -> torch.Tensor:
         """[len(paths), V] bool: the tokens the grammar forbids after the committed tokens and
-        each path (grammar-valid), then back to the committed state. Tokens after the grammar's
-        end are not fed: plain decoding stops there, so what their rows give is never emitted (and
-        llguidance does not count a token fed after the end when rolling back)."""
+        each path (grammar-valid). Each path is fed to a copy of the matcher (~1 us), never to the
+        matcher itself: rolling llguidance 1.9 back over the grammar's end, where its last literal
+        is the EOS token's own text, restored one token too few, and the next step's masks were
+        those of a draft that was never committed. Tokens after the grammar's end are not fed:
+        plain decoding stops there, so what their rows give is never emitted."""
         masks = []
         for path in paths:
-            fed = 0
+            matcher = self.matcher.deep_copy()
             for token in path:
-                if self.matcher.is_stopped():
+                if matcher.is_stopped():
                     break
-                self.matcher.consume_token(token)
-                fed += 1
-            masks.append(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8))
-            self.matcher.rollback(fed)
+                matcher.consume_token(token)
+            masks.append(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8))
         # One unpacking for all rows, of the complement: no [V] negation, no copy into torch.
         bits = np.unpackbits(~np.stack(masks), axis=1, count=self.vocab_size, bitorder="little")
         return torch.from_numpy(bits.view(np.bool_))

@@ -168,7 +168,7 @@ def test_prune_cuts_forbidden_drafts_and_masks_follow_each_path(ll_tokenizer):
     paths = [[], ids("2"), ids("2,"), ids('2, "'), ids("5")]
     for path, forbidden in zip(paths, grammar.forbidden_after(paths)):  # one row per path
         assert torch.equal(~forbidden, allowed_after(ll_tokenizer, params, committed + path))
-    assert torch.equal(grammar.forbidden_after([[]]), before)  # rolled back to the committed tokens
+    assert torch.equal(grammar.forbidden_after([[]]), before)  # still at the committed tokens
 
 
 def test_grammar_end_stops_the_request(ll_tokenizer):
@@ -186,6 +186,21 @@ def test_grammar_end_stops_the_request(ll_tokenizer):
 
 def grammar_params():
     return SamplingParams(choice=["yes", "no"])
+
+
+def test_a_path_through_the_grammars_end_leaves_the_committed_state(ll_tokenizer):
+    """A path that ends the grammar on the EOS token's own text ('!', the grammar's last literal)
+    must leave the matcher at the committed tokens: rolling llguidance back over that end
+    restored one token too few, and the target's next row was masked as if a draft's "b" had
+    been committed (a self-drafting run emitted "a!", which the grammar forbids)."""
+    params = SamplingParams(grammar='start: ("ab" | "cd")+ "!"')
+    grammar = controls.Grammar(ll_tokenizer, params)
+    assert not grammar.commit(ids("a")[0])
+    for path in (ids("b!"), ids("b!!")):
+        grammar.forbidden_after([path])
+        after_a = allowed_after(ll_tokenizer, params, ids("a"))
+        assert torch.equal(~grammar.forbidden_after([[]])[0], after_a)
+        assert after_a.nonzero().flatten().tolist() == ids("b")
 
 
 @pytest.mark.parametrize(
