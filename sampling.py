@@ -44,9 +44,11 @@ def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def exp_noise(generator: torch.Generator, vocab: int, device) -> torch.Tensor:
-    """[vocab] Exp(1) draws, never 0: some devices draw exact zeros, and 0 / 0 would win the
-    argmax."""
-    noise = torch.empty(vocab, device=device).exponential_(generator=generator)
+    """[vocab] Exp(1) draws, -log(1 - U) of uniform U in [0, 1), never 0: U = 0 gives 0, and 0 / 0
+    would win the argmax (the clamp). Not torch's exponential_, which took 1 ms for the default
+    model's 49,152 draws on a 2-core CPU, 5x what the uniforms and a log1p take: a sampled
+    token's noise was ~7% of a decode step (BENCHMARKS.md, session 28)."""
+    noise = torch.rand(vocab, generator=generator, device=device).neg_().log1p_().neg_()
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 

@@ -294,12 +294,12 @@ def test_cli_draft_without_k_means_auto_and_names_dtype_and_kernels(target, monk
 
 
 def test_exponential_noise_is_clamped_away_from_zero(monkeypatch):
-    """Item 8: a device that returns exact zeros from exponential_ must not let 0 / 0 = NaN win
-    the race (torch.argmax takes NaN as the maximum): the token drawn always has probability > 0."""
+    """Item 8: uniforms of exactly 0 (noise -log(1 - 0) = 0) must not let 0 / 0 = NaN win the race
+    (torch.argmax takes NaN as the maximum): the token drawn always has probability > 0."""
     import sampling
     from sequence import Sequence
 
-    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, **kwargs: self.zero_())
+    monkeypatch.setattr(torch, "rand", lambda n, **kwargs: torch.zeros(n))
     probs = torch.tensor([0.0, 0.0, 0.7, 0.3])
     seq = Sequence([1], SamplingParams(temperature=1.0, seed=3), "cpu")
     assert sampling.sample_at(probs, seq, 5) == 2
