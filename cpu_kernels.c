@@ -661,14 +661,16 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
     // queries (measured: a T=5 or T=9 step's attention 10% faster than with two items a thread,
     // session 15; counting whole segments, T=5 at 2,000 tokens 5-9% faster and the same below
     // 1,024, session 17; a short last segment adds an item but little work). A sequence's queries
-    // (per_seq: their mean count over the sequences) are split into `split` blocks of even size,
-    // the items a multiple of the threads: 9 queries as 5 + 4, not 8 + 1, whose three items of 8
+    // (per_seq: their mean count over the sequences) go in `split` blocks of even size, so that the
+    // items (sequences x blocks x KV heads x whole segments, at least 1) are a multiple of the
+    // threads: at batch 1, 9 queries as 5 + 4 where blocks of 8 made 8 + 1, three items of 8 that
     // kept one of two threads busy while the other waited (T=9 at 109-300 tokens of context 4-8%
-    // faster on avx2, session 28). Which item computes a query never changes its bits.
-    int whole = max_blocks * block_size / segment_keys, per_seq = num_tokens / num_seqs;
+    // faster on avx2; two sequences of 8 stay in blocks of 8: session 28). Which item computes a
+    // query never changes its bits.
+    int whole = max_blocks * block_size / segment_keys ?: 1, per_seq = num_tokens / num_seqs;
     int segments = (max_blocks * block_size + segment_keys - 1) / segment_keys;  // at most
     int split = tree_pos ? per_seq : (per_seq + QUERY_BLOCK - 1) / QUERY_BLOCK;
-    while (split < per_seq && split * num_kv_heads * (whole ? whole : 1) % threads) split++;
+    while (split < per_seq && num_seqs * split * num_kv_heads * whole % threads) split++;
     int block = split ? (per_seq + split - 1) / split : 1;
     int64_t items = (int64_t)num_tokens * num_kv_heads * segments;
 // Items start at every token and segment; all but each block's first query return at once.
