@@ -418,8 +418,9 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
                 int64_t m = interleaved ? j : i, k0 = (interleaved ? i : j) * LANES;
                 const char *gate = (const char *)x + (m * 2 * K + k0) * elem;  // (gated rows)
                 vf v = gated ? silu_mul_vf(gate, K * elem, x_bf16) : (vf){};
+                // row m's block: its first row m0 and its row count (interleaved copies)
+                int64_t rb = ROW_BLOCK(M), m0 = m - m % rb, block = M - m0 < rb ? M - m0 : rb;
                 for (int64_t k = k0; k < k0 + LANES && k < K; k++) {
-                    int64_t rb = ROW_BLOCK(M), m0 = m - m % rb, block = M - m0 < rb ? M - m0 : rb;
                     bf16 *half = (bf16 *)copy + m * K + k;  // x_hi (rounded as torch rounds), x_lo
                     float value = gated ? v[k - k0] : ((const float *)x)[m * K + k];
                     if (!x_bf16 && !amx)
@@ -633,8 +634,8 @@ void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t 
     // rotated first (neox rotary, into `rotated`), rounded like torch_rotary: each product
     // rounded, then their difference or sum. The keys and values then go into their slots,
     // rounded to the cache's type (kernels.store_kv's contract). One call a layer instead of
-    // rotary, store_kv and attention. A verify step's rotary shares the threads too (its 5-9 rows:
-    // the step's attention call 2-5% faster on avx2, session 28).
+    // rotary, store_kv and attention. Rotary shares the threads from 2 tokens on, not 17 (a verify
+    // step's 5-9 rows: the step's attention call 2-5% faster on avx2, session 28).
     int heads = num_heads + num_kv_heads, half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (num_tokens > 1)
     for (int t = 0; t < (cos_sin ? num_tokens : 0); t++)
