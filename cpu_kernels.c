@@ -619,43 +619,47 @@ static inline int keys_seen(int t, const int64_t *query_start_loc, const int64_t
     return tree_pos ? (int)tree_pos[t] + 1 : (int)(seq_lens[*b] - query_start_loc[*b + 1]) + t + 1;
 }
 
-void paged_attention(const void *q, void *k_cache, void *v_cache, const int64_t *block_tables,
+void paged_attention(void *q, void *k_cache, void *v_cache, const int64_t *block_tables,
                      const int64_t *seq_lens, const int64_t *query_start_loc, void *out,
                      int num_seqs, int max_blocks, int num_heads, int num_kv_heads, int head_dim,
                      int block_size, float scale, int is_bf16, int kv_type, int threads,
                      const int64_t *tree_pos, const int64_t *tree_keys, int tree_width,
-                     int64_t q_stride, const void *v, int64_t v_stride, const void *cos_sin,
-                     void *rotated, const int64_t *slot_mapping, float *partial, int segment_keys,
-                     int64_t block_stride, int64_t slot_stride, int64_t head_stride) {
+                     int64_t q_stride, const void *cos_sin, const int64_t *slot_mapping,
+                     float *partial, int segment_keys, int64_t block_stride, int64_t slot_stride,
+                     int64_t head_stride) {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     const int64_t stride[3] = {block_stride, slot_stride, head_stride};  // the caches', in elements
-    // With this step's v [T, Hkv, D] (row stride v_stride; q's dtype), q holds its keys too, after
-    // the query heads: [T, Hq + Hkv, D]. Where cos_sin [T, D] = [cos | sin] is given, both are
-    // rotated first (neox rotary, into `rotated`), rounded like torch_rotary: each product
-    // rounded, then their difference or sum. The keys and values then go into their slots,
-    // rounded to the cache's type (kernels.store_kv's contract). One call a layer instead of
-    // rotary, store_kv and attention. Rotary shares the threads from 2 tokens on, not 17 (a verify
-    // step's 5-9 rows: the step's attention call 2-5% faster on avx2, session 28).
+    // Where slot_mapping is given, each row of q holds this step's query heads, then its key and
+    // value heads: [T, Hq + 2 Hkv, D] (a layer's qkv). Where cos_sin [T, D] = [cos | sin] is given,
+    // the query and key heads are first rotated in place (neox rotary), rounded like torch_rotary:
+    // each product rounded, then their difference or sum. The keys and values then go into their
+    // slots, rounded to the cache's type (kernels.store_kv's contract). One call a layer instead of
+    // rotary, store_kv and attention, each token's part on a thread of its own from 2 tokens on.
+    // In place, the rotary needs no buffer of its own, and the store finds a head's slot once, not
+    // with two divisions an element; GCC vectorizes the rotary (kernels.build_command). Measured
+    // against rotating into a buffer, then storing on one thread (avx2 and avx512bf16, identical
+    // bits): a call of 5-9 queries at context 109 0.85-0.89 of the time, 9 at 700 0.95, two
+    // sequences of 8 at 300 0.81-0.93, a 640-token prefill chunk 0.88-0.93 (session 29).
     int heads = num_heads + num_kv_heads, half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (num_tokens > 1)
-    for (int t = 0; t < (cos_sin ? num_tokens : 0); t++)
-        for (int64_t h = 0; h < heads; h++)
+    for (int t = 0; t < num_tokens; t++) {
+        for (int64_t h = 0; cos_sin && h < heads; h++)
             for (int i = 0; i < half; i++) {
                 int64_t at = t * q_stride + h * head_dim + i, cos = (int64_t)t * head_dim + i;
                 float c = get(cos_sin, cos, is_bf16), s = get(cos_sin, cos + half, is_bf16);
                 float a = get(q, at, is_bf16), b = get(q, at + half, is_bf16);
-                int64_t o = (t * heads + h) * head_dim + i;
-                put(rotated, o, rounded(a * c, is_bf16) - rounded(b * s, is_bf16), is_bf16);
-                put(rotated, o + half, rounded(b * c, is_bf16) + rounded(a * s, is_bf16), is_bf16);
+                put(q, at, rounded(a * c, is_bf16) - rounded(b * s, is_bf16), is_bf16);
+                put(q, at + half, rounded(b * c, is_bf16) + rounded(a * s, is_bf16), is_bf16);
             }
-    if (cos_sin) q = rotated, q_stride = (int64_t)heads * head_dim;
-    for (int t = 0; v && t < num_tokens; t++)
-        for (int64_t i = 0; i < (int64_t)num_kv_heads * head_dim; i++) {
-            int64_t slot = slot_mapping[t] / block_size * block_stride + i % head_dim;
-            slot += slot_mapping[t] % block_size * slot_stride + i / head_dim * head_stride;
-            put(k_cache, slot, get(q, t * q_stride + num_heads * head_dim + i, is_bf16), kv_type);
-            put(v_cache, slot, get(v, t * v_stride + i, is_bf16), kv_type);
-        }
+        for (int64_t h = 0; slot_mapping && h < num_kv_heads; h++)
+            for (int64_t d = 0, i = h * head_dim; d < head_dim; d++, i++) {  // i: in a row's keys
+                int64_t slot = slot_mapping[t] / block_size * block_stride + h * head_stride + d;
+                slot += slot_mapping[t] % block_size * slot_stride;
+                put(k_cache, slot, get(q, t * q_stride + num_heads * head_dim + i, is_bf16),
+                    kv_type);
+                put(v_cache, slot, get(q, t * q_stride + heads * head_dim + i, is_bf16), kv_type);
+            }
+    }
     // Blocks of queries small enough to give every thread an item, counting the whole segments of
     // keys (a verify step at batch 1 has few queries: in blocks of 8 they would not spread over
     // the threads), and no smaller: every item widens its keys and values once for all its

@@ -151,6 +151,10 @@ def build_command(isa: str, source: Path) -> list[str]:
     key hashes it; the tests compile every ISA's build with it)."""
     flags = [f"-m{flag.replace('amx_', 'amx-').replace('_', '')}" for flag in ISA_NEEDS[isa]]
     compiler = [os.environ.get("CC", "cc"), "-O3", "-ffp-contract=fast", "-fopenmp", "-shared"]
+    # GCC unswitches a loop on a flag only up to 50 instructions: paged_attention's rotary, whose
+    # dtype tests made it larger, stayed scalar (a verify step's attention call 4-5% slower on
+    # avx2; session 29). Every other loop compiles as it did; clang warns that it is unused.
+    compiler += ["--param=max-unswitch-insns=1000"]
     return [*compiler, "-fPIC", "-Wno-psabi", *flags, str(source)]
 
 
@@ -188,7 +192,7 @@ def cpu_kernels(isa: str | None = None):
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 6 + [ptr, i32, i32]
     lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
-    lib.paged_attention.argtypes += [i64, ptr, i64, ptr, ptr, ptr]  # rotary's and store_kv's
+    lib.paged_attention.argtypes += [i64, ptr, ptr]  # q's row stride; rotary's and store_kv's
     lib.paged_attention.argtypes += [ptr, i32, i64, i64, i64]  # per-segment sums; cache strides
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32, i32]
     return lib
@@ -234,7 +238,8 @@ def attention(qkv, cos_sin, k_cache, v_cache, scale):
     """What a model's attention layer calls, with this step's query, key and value heads side by
     side in each row of qkv [T, (Hq + 2 Hkv) * D]: rotate q and k (cos_sin [T, D] at the tokens'
     positions; None: no rotary), store this step's K/V, then attend over the cache. Returns
-    [T, Hq * D], the o projection's input."""
+    [T, Hq * D], the o projection's input. qkv is the layer's own: the C kernel rotates q and k in
+    it, in place."""
     assert context is not None, "attention called outside an engine step (no AttentionContext set)"
     num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
@@ -457,8 +462,8 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, fused=F
     """cpu_kernels.c's paged_attention; same contract as torch_paged_attention (q fp32 or bf16;
     the caches q's dtype, or fp16 under fp32 queries: attention's c_fits). Fused, q is what
     attention() takes, a layer's qkv [T, (Hq + 2 Hkv) * D] at any row stride: the kernel first
-    does what attention() does before the other kernels (rotary where cos_sin is given, store_kv),
-    and returns [T, Hq * D]."""
+    does what attention() does before the other kernels (rotary where cos_sin is given, of q and k
+    in place in qkv's rows; store_kv), and returns [T, Hq * D]."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if q.stride(-1) != 1 or (not fused and q.stride(1) != head_dim):  # rows at any row stride
         q = q.contiguous()
@@ -472,10 +477,9 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, fused=F
     assert strides == v_cache.stride() and strides[3] == 1
     # Keys in segments of ATTENTION_SEGMENT positions, each summed on its own, then merged in
     # order: a decode step's few queries still make an item for every thread (cpu_kernels.c). The
-    # scratch holds their partial sums, then the rotated q and k heads.
+    # scratch holds their partial sums.
     segments = -(-tables.shape[1] * block_size // ATTENTION_SEGMENT)
-    sums = num_tokens * num_heads * segments * (head_dim + 2)
-    partial = cpu_scratch(sums + q.numel()).data_ptr()
+    partial = cpu_scratch(num_tokens * num_heads * segments * (head_dim + 2)).data_ptr()
     tree, tree_args = (), (None, None, 0)
     if ctx.tree_pos is not None:  # (tree holds the tensors while the kernel runs)
         tree = [t.long().contiguous() for t in (ctx.tree_pos, ctx.tree_keys)]
@@ -484,12 +488,10 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, fused=F
     args = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
     args += [seq_lens.shape[0], tables.shape[1], num_heads, num_kv_heads, head_dim, block_size]
     args += [scale, q.dtype == torch.bfloat16, C_TYPES[k_cache.dtype], torch.get_num_threads()]
-    new_args = (None, 0, None, None, None)
-    if fused:  # the values after the keys in each row; the rotated q and k after the sums
-        v = args[0] + (num_heads + num_kv_heads) * head_dim * q.element_size()
+    new_args = (None, None)
+    if fused:
         cos_sin = None if cos_sin is None else cos_sin.contiguous()  # (held through the call)
-        pointers = (None, None) if cos_sin is None else (cos_sin.data_ptr(), partial + 4 * sums)
-        new_args = (v, q.stride(0), *pointers, ctx.slot_mapping.data_ptr())
+        new_args = (None if cos_sin is None else cos_sin.data_ptr(), ctx.slot_mapping.data_ptr())
     cpu_kernels().paged_attention(
         *args, *tree_args, q.stride(0), *new_args, partial, ATTENTION_SEGMENT, *strides[:3]
     )
