@@ -154,7 +154,11 @@ def build_command(isa: str, source: Path) -> list[str]:
     # GCC unswitches a loop on a flag only up to 50 instructions: paged_attention's rotary, whose
     # dtype tests made it larger, stayed scalar (a verify step's attention call 4-5% slower on
     # avx2; session 29). Every other loop compiles as it did; clang warns that it is unused.
-    compiler += ["--param=max-unswitch-insns=1000"]
+    # GCC 13's default tuning leaves some FMA chains of up to 512 bits as a multiply and an add
+    # (avoid-fma-max-bits): Ubuntu 24.04's GCC 13.3 built the AVX-512 linear's 1-row tiles that
+    # way and every other tile with FMAs, so a decode row and the same row in a verify step
+    # differed in their last bits (session 30). Row invariance needs every chain fused.
+    compiler += ["--param=max-unswitch-insns=1000", "--param=avoid-fma-max-bits=0"]
     return [*compiler, "-fPIC", "-Wno-psabi", *flags, str(source)]
 
 

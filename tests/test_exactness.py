@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_kernels import X_AND_W_DTYPES, make_paged_batch
+from test_kernels import DEVICE, X_AND_W_DTYPES, make_paged_batch
 
 import kernels
 
@@ -53,6 +53,32 @@ def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     assert_rows_invariant(
         lambda x: kernels.c_linear(x, packed, bias, n), torch.randn(300, k).to(x_dtype)
     )
+
+
+def test_c_linear_rows_stay_invariant_under_a_compiler_that_splits_fma_chains(
+    monkeypatch, tmp_path
+):
+    """GCC 13's default tuning compiles some FMA chains as a multiply and an add; built that way,
+    the AVX-512 linear's 1-row tiles summed differently from its other tiles (kernels.build_command
+    turns it off). Here the compiler is told to split chains of up to 512 bits ahead of
+    build_command's own flags, which must win: the rows stay the same bits at every M."""
+    build = kernels.build_command
+
+    def split_chains(isa, source):
+        command = build(isa, source)
+        return [command[0], "--param=avoid-fma-max-bits=512", *command[1:]]
+
+    monkeypatch.setattr(kernels, "build_command", split_chains)
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
+    if kernels.cpu_kernels() is None:
+        pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
+    for w_dtype in (torch.float32, torch.bfloat16):
+        weight = (0.05 * torch.randn(96, 576)).to(w_dtype)
+        packed = kernels.pack_weight(weight)
+        assert_rows_invariant(
+            lambda x, packed=packed: kernels.c_linear(x, packed, None, 96), torch.randn(300, 576)
+        )
 
 
 @X_AND_W_DTYPES
@@ -122,10 +148,9 @@ def test_triton_linear_rows_are_invariant(dtype):
     which catches a K order that changes with M (BLOCK_K or a split chosen by M). It misses a
     BLOCK_M chosen by M (numpy's rows do not depend on the tile's height; MMA instructions may),
     so the launches the wrapper makes for every M are also checked to be one and the same."""
-    weight, bias = (0.05 * torch.randn(160, 576)).to(dtype), torch.randn(160).to(dtype)
-    assert_rows_invariant(
-        lambda x: kernels.triton_linear(x, weight, bias), torch.randn(300, 576).to(dtype)
-    )
+    weight = (0.05 * torch.randn(160, 576, device=DEVICE)).to(dtype)
+    bias, x = torch.randn(160, device=DEVICE).to(dtype), torch.randn(300, 576, device=DEVICE)
+    assert_rows_invariant(lambda x: kernels.triton_linear(x, weight, bias), x.to(dtype))
     launches = []
     record = lambda kernel, grid, args, num_warps, **c: launches.append(
         dict(c, num_warps=num_warps)
@@ -175,20 +200,19 @@ def attention_steps(context):
     }
 
 
-def attention_of_position(fn, dtype, block_size, context=45):
+def attention_of_position(fn, dtype, block_size, context=45, device="cpu"):
     """The output row of the query at position context - 1 of one fixed sequence, in each kind of
-    step."""
+    step (on `device`: DEVICE for Triton, the CPU for the C kernels and the torch reference)."""
     torch.manual_seed(7)  # the same cache, tables and query rows in every step
-    base = make_paged_batch(
-        [(context, context), (60, 60), (30, 30), (12, 12), (8, 8)], block_size, 6, 2, 16, dtype
-    )
+    seqs = [(context, context), (60, 60), (30, 30), (12, 12), (8, 8)]
+    base = make_paged_batch(seqs, block_size, 6, 2, 16, dtype, device)
     q_all, k_cache, v_cache, _, base_ctx = base
     block_tables = base_ctx.block_tables
     rows = {}
     for name, seqs in attention_steps(context).items():
         index = {"decode": [0], "verify": [0, 2], "chunk": [0, 3], "prompt": [0, 1, 4]}[name]
-        q_lens = torch.tensor([q_len for _, q_len in seqs])
-        seq_lens = torch.tensor([context for context, _ in seqs])
+        q_lens = torch.tensor([q_len for _, q_len in seqs], device=device)
+        seq_lens = torch.tensor([context for context, _ in seqs], device=device)
         starts = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
         # query j of step sequence b is the query row its position has in the whole-prompt layout
         offsets = [0, context, context + 60, context + 90, context + 102]
@@ -206,8 +230,8 @@ def attention_of_position(fn, dtype, block_size, context=45):
     return rows
 
 
-def check_attention(fn, dtype, block_size, context=45):
-    rows = attention_of_position(fn, dtype, block_size, context)
+def check_attention(fn, dtype, block_size, context=45, device="cpu"):
+    rows = attention_of_position(fn, dtype, block_size, context, device)
     for name, row in rows.items():
         assert torch.equal(row, rows["decode"]), f"the query differs between decode and {name}"
 
@@ -258,7 +282,7 @@ def test_torch_attention_query_is_invariant(dtype):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_triton_attention_query_is_invariant(dtype):
-    check_attention(kernels.triton_paged_attention, dtype, 4)
+    check_attention(kernels.triton_paged_attention, dtype, 4, device=DEVICE)
 
 
 @pytest.mark.parametrize("impl", ["c", "torch", "triton"])
@@ -268,19 +292,21 @@ def test_triton_attention_query_is_invariant(dtype):
 def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
     if impl == "c" and (dtype == torch.float16 or kernels.cpu_kernels() is None):
         pytest.skip("the C RMSNorm and rotary are fp32 and bf16 kernels")
-    if impl == "triton" and dtype == torch.bfloat16:
+    if impl == "triton" and dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the Triton interpreter mishandles bfloat16 (CUDA only)")
     if impl == "torch" and dtype == torch.float16:
         pytest.skip("no fp16 CPU model path")
     ops = {name: getattr(kernels, f"{impl}_{name}", None) for name in ("rms_norm", "rotary")}
     ops["silu_mul"] = kernels.silu_mul if impl == "torch" else None  # the one implementation
-    x, weight = torch.randn(300, 96).to(dtype), (1 + 0.1 * torch.randn(96)).to(dtype)
+    device = DEVICE if impl == "triton" else "cpu"
+    x = torch.randn(300, 96, device=device).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96, device=device)).to(dtype)
     counts = ROW_COUNTS if impl != "triton" else [1, 2, 5, 9, 33]  # the interpreter is slow
     assert_rows_invariant(lambda rows: ops["rms_norm"](rows, weight, 1e-6), x, counts)
     assert_rows_invariant(  # (fresh tensors: with a residual, the C kernel writes in place)
         lambda rows: ops["rms_norm"](rows.clone(), weight, 1e-6, rows.flip(1))[0], x, counts
     )
-    cos_sin = torch.randn(300, 16).to(dtype)
+    cos_sin = torch.randn(300, 16, device=device).to(dtype)
     if ops["rotary"] is not None:  # Triton has no elementwise kernels, C no silu_mul
         assert_rows_invariant(
             lambda rows: ops["rotary"](rows.view(-1, 6, 16), cos_sin[: len(rows)]), x, counts
@@ -295,15 +321,18 @@ def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
 TREE_PARENTS = [-1, 0, 0, -1, 2, 4]  # depths 1, 2, 2, 1, 3, 4
 
 
-def tree_step(block_size, dtype):
+def tree_step(block_size, dtype, device="cpu"):
     from nanospec import tree_layout
 
     torch.manual_seed(3)
-    q, k_cache, v_cache, _, ctx = make_paged_batch([(37, 7), (12, 3)], block_size, 6, 2, 16, dtype)
-    seq_lens, starts = torch.tensor([37, 12]), torch.tensor([0, 7, 10])
+    seqs = [(37, 7), (12, 3)]
+    q, k_cache, v_cache, _, ctx = make_paged_batch(seqs, block_size, 6, 2, 16, dtype, device)
+    seq_lens = torch.tensor([37, 12], device=device)
+    starts = torch.tensor([0, 7, 10], device=device)
     positions, keys, paths = tree_layout(
         [(None, [0] * 7, 30), (None, [0] * 3, 9)], [TREE_PARENTS, []]
     )
+    positions, keys = positions.to(device), keys.to(device)
     chain = kernels.AttentionContext(None, ctx.block_tables, seq_lens, starts, 7)
     tree = dataclasses.replace(chain, tree_pos=positions, tree_keys=keys)
     return (q, k_cache, v_cache, 0.25), chain, tree, paths
@@ -328,13 +357,13 @@ def chain_reference(fn, args, ctx, paths):
 
 def alone(fn, q, k_cache, v_cache, block_table, context):
     """One sequence's len(q) last queries, an ordinary step."""
-    seq_lens, starts = torch.tensor([context]), torch.tensor([0, len(q)])
+    seq_lens, starts = (torch.tensor(v, device=q.device) for v in ([context], [0, len(q)]))
     ctx = kernels.AttentionContext(None, block_table, seq_lens, starts, len(q))
     return fn(q, k_cache, v_cache, 0.25, ctx)
 
 
-def check_tree_attention(fn, dtype, block_size):
-    args, chain, tree, paths = tree_step(block_size, dtype)
+def check_tree_attention(fn, dtype, block_size, device="cpu"):
+    args, chain, tree, paths = tree_step(block_size, dtype, device)
     out = fn(*args, tree)
     rows, ordinary = chain_reference(fn, args, chain, paths)
     for t, row in rows.items():
@@ -355,11 +384,11 @@ def test_torch_tree_attention_equals_chain(dtype):
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_triton_tree_attention_matches_torch(block_size):
-    args, _, tree, _ = tree_step(block_size, torch.float32)
+    args, _, tree, _ = tree_step(block_size, torch.float32, DEVICE)
     want = kernels.torch_paged_attention(*args, tree)
     torch.testing.assert_close(
         kernels.triton_paged_attention(*args, tree), want, atol=1e-5, rtol=1e-5
     )
     # GPU mma rows are row-invariant: the C and torch tests' bitwise check
     if torch.cuda.is_available():
-        check_tree_attention(kernels.triton_paged_attention, torch.float32, block_size)
+        check_tree_attention(kernels.triton_paged_attention, torch.float32, block_size, DEVICE)

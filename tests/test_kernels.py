@@ -41,8 +41,8 @@ def seed():
     torch.manual_seed(seed)
 
 
-def randn(*shape, dtype=torch.float32):
-    return torch.randn(*shape, device=DEVICE).to(dtype)
+def randn(*shape, dtype=torch.float32, device=DEVICE):
+    return torch.randn(*shape, device=device).to(dtype)
 
 
 def _nan_filled(make):
@@ -71,9 +71,9 @@ def assert_triton_matches_torch(op, *args, dtype):
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
-def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
+def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device=DEVICE):
     """q, k, v as the model makes them: non-contiguous views into one fused projection output."""
-    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
     q, k, v = qkv.split(
         [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
     )
@@ -123,23 +123,24 @@ BATCHES = {  # (context length including this step's queries, q_len) per sequenc
 }
 
 
-def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype):
+def make_paged_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, device=DEVICE):
     """Random queries and a random paged cache; each sequence's blocks are scattered randomly over
-    a pool with spare blocks, so reading the wrong block, slot or position changes the result."""
+    a pool with spare blocks, so reading the wrong block, slot or position changes the result.
+    On `device`: the Triton tests' (CUDA where there is one), or the C kernels' CPU."""
     blocks_per_seq = [-(-context // block_size) for context, _ in seqs]
     num_blocks = sum(blocks_per_seq) + 3
-    block_ids = torch.randperm(num_blocks, device=DEVICE).int().split(blocks_per_seq + [3])
+    block_ids = torch.randperm(num_blocks, device=device).int().split(blocks_per_seq + [3])
     block_tables = torch.full(
-        (len(seqs), max(blocks_per_seq) + 2), -1, dtype=torch.int32, device=DEVICE
+        (len(seqs), max(blocks_per_seq) + 2), -1, dtype=torch.int32, device=device
     )
     for b, ids in enumerate(block_ids[:-1]):
         block_tables[b, : len(ids)] = ids
-    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    seq_lens = torch.tensor([context for context, _ in seqs], device=DEVICE)
-    q_lens = torch.tensor([q_len for _, q_len in seqs], device=DEVICE)
+    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    seq_lens = torch.tensor([context for context, _ in seqs], device=device)
+    q_lens = torch.tensor([q_len for _, q_len in seqs], device=device)
     query_start_loc = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
-    q, _, _ = qkv_views(int(q_lens.sum()), num_heads, num_kv_heads, head_dim, dtype)
+    q, _, _ = qkv_views(int(q_lens.sum()), num_heads, num_kv_heads, head_dim, dtype, device)
     ctx = kernels.AttentionContext(None, block_tables, seq_lens, query_start_loc, int(q_lens.max()))
     return q, k_cache, v_cache, head_dim**-0.5, ctx
 
@@ -150,7 +151,9 @@ def c_rotary(q_k, cos_sin):
     the rotated keys from the cache it stores them in (q_k's dtype: as they were rotated)."""
     num_tokens, heads, head_dim = q_k.shape
     seqs = [(num_tokens, num_tokens)]
-    _, k_cache, v_cache, _, ctx = make_paged_batch(seqs, 1, heads, heads, head_dim, q_k.dtype)
+    _, k_cache, v_cache, _, ctx = make_paged_batch(
+        seqs, 1, heads, heads, head_dim, q_k.dtype, "cpu"
+    )
     ctx.slot_mapping = ctx.block_tables[0, :num_tokens].long()  # block size 1: slot = block
     qkv = torch.cat([q_k, q_k, q_k], dim=1).flatten(1)
     kernels.c_paged_attention(qkv, k_cache, v_cache, 1.0, ctx, fused=True, cos_sin=cos_sin)
@@ -211,9 +214,9 @@ def test_rms_norm(shape, with_residual, dtype):
     assert_triton_matches_torch("rms_norm", x, weight, 1e-6, residual, dtype=dtype)
 
 
-def rope_cache(max_positions, head_dim, base=10000.0):
-    inv_freq = base ** -(torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    angles = torch.arange(max_positions, device=DEVICE).float()[:, None] * inv_freq[None, :]
+def rope_cache(max_positions, head_dim, base=10000.0):  # (on the CPU: the C tests')
+    inv_freq = base ** -(torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
@@ -262,7 +265,9 @@ def test_c_paged_attention_matches_torch(
     batch, block_size, num_heads, num_kv_heads, head_dim, dtype
 ):
     """One C kernel for every query shape: prefill chunks, whole prompts, decode, verification."""
-    args = make_paged_batch(BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype)
+    args = make_paged_batch(
+        BATCHES[batch], block_size, num_heads, num_kv_heads, head_dim, dtype, "cpu"
+    )
     with nan_filled_outputs():
         got = kernels.c_paged_attention(*args)
     torch.testing.assert_close(got, kernels.torch_paged_attention(*args), **TOLERANCE[dtype])
@@ -274,7 +279,7 @@ def test_c_paged_attention_merges_segments_of_keys(dtype):
     """Past ATTENTION_SEGMENT keys a query's keys are summed in segments, then merged: decode,
     verification and a chunk at 1-3 segments still match the reference."""
     seqs = [(1100, 1), (1030, 9), (600, 3), (kernels.ATTENTION_SEGMENT + 1, 2)]
-    args = make_paged_batch(seqs, 16, 9, 3, 64, dtype)
+    args = make_paged_batch(seqs, 16, 9, 3, 64, dtype, "cpu")
     with nan_filled_outputs():
         got = kernels.c_paged_attention(*args)
     torch.testing.assert_close(got, kernels.torch_paged_attention(*args), **TOLERANCE[dtype])
@@ -287,7 +292,7 @@ def test_c_attention_with_fp16_cache_equals_fp32_cache_of_its_values(batch, head
     """fp32 queries over an fp16 cache (--dtype auto on AVX2): the kernel widens each K/V value
     exactly, so it equals, bit for bit, the kernel over an fp32 cache holding the fp16 values."""
     q, k_cache, v_cache, scale, ctx = make_paged_batch(
-        BATCHES[batch], 4, 6, 2, head_dim, torch.float32
+        BATCHES[batch], 4, 6, 2, head_dim, torch.float32, "cpu"
     )
     k16, v16 = k_cache.half(), v_cache.half()
     got = kernels.c_paged_attention(q, k16, v16, scale, ctx)
@@ -316,13 +321,15 @@ def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(
     contiguous copy."""
     if cache_dtype == "fp16" and not kernels.cpu_kernels().f16c:
         pytest.skip("an fp16 cache needs F16C (this build is generic)")
-    q, k_cache, v_cache, scale, ctx = make_paged_batch(BATCHES[batch], 4, 6, 2, 64, dtype)
+    q, k_cache, v_cache, scale, ctx = make_paged_batch(BATCHES[batch], 4, 6, 2, 64, dtype, "cpu")
     k_cache, v_cache = (c.half() if cache_dtype == "fp16" else c for c in (k_cache, v_cache))
     if layout == "head-major":
         k_cache, v_cache = head_major(k_cache), head_major(v_cache)
         assert not k_cache.is_contiguous()
     num_tokens = len(q)
-    qkv = randn(num_tokens, 11 * 64, dtype=dtype)  # 6 query, 2 key and 2 value heads, 1 spare
+    qkv = randn(
+        num_tokens, 11 * 64, dtype=dtype, device="cpu"
+    )  # 6 query, 2 key and 2 value heads, 1 spare
     q_k, v = qkv[:, : 8 * 64].view(num_tokens, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(-1, 2, 64)
     cos_sin = rope_cache(300, 64)[torch.randint(0, 300, (num_tokens,))].to(dtype)
     cos_sin = cos_sin if rotate else None
