@@ -1,8 +1,10 @@
-# End to end through the Triton kernels (run by the interpreter on CPU): tiny Llama and OPT models
-# generate exactly the same greedy tokens as on the torch path, with speculation so that
-# verify-shaped multi-token steps and block-crossing lookahead run in Triton.
+# End to end through the Triton kernels (run by the interpreter on CPU, for real on CUDA where there
+# is a GPU): tiny Llama and OPT models generate exactly the same greedy tokens as on the CPU's
+# path, with speculation so that verify-shaped multi-token steps and block-crossing lookahead run
+# in Triton.
 import pytest
 import tiny
+import torch
 
 import kernels
 from nanospec import LLM, SamplingParams
@@ -24,9 +26,10 @@ def test_triton_path_generates_the_same_tokens(config, tmp_path, monkeypatch):
     tiny.write_checkpoint(tmp_path, config())
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
-    def generate():
+    def generate(device="cpu"):
         llm = LLM(
             str(tmp_path),
+            device=device,
             dtype="float32",
             block_size=4,
             num_blocks=16,
@@ -48,6 +51,6 @@ def test_triton_path_generates_the_same_tokens(config, tmp_path, monkeypatch):
         monkeypatch.setattr(
             kernels, f"triton_{op}", counting(getattr(kernels, f"triton_{op}"), rows)
         )
-    assert generate() == expected
+    assert generate("cuda" if torch.cuda.is_available() else "cpu") == expected
     assert max(calls["paged_attention"]) >= 3, "no verify-shaped attention call went through Triton"
     assert max(calls["linear"]) >= 3, "no verify-shaped linear went through Triton"
