@@ -1,8 +1,8 @@
 # Speculation changes nothing, bit for bit, on the real default model (SmolLM2-135M-Instruct) in
 # fp32, bf16 and --dtype auto as AVX2 CPUs run it: greedy tokens with n-gram K = 1, 4, 8 and auto
 # and with a self-draft, seeded sampling, logprobs, a run with forced preemption, and batched
-# against alone. Kept to a few prompts and 160 tokens for CI; `bench.py` reports "identical to
-# plain" for any larger workload.
+# against alone; where there is a GPU, also on CUDA in fp32 and bf16. Kept to a few prompts and 160
+# tokens for CI; `bench.py` reports "identical to plain" for any larger workload.
 import functools
 import importlib.util
 
@@ -38,20 +38,35 @@ SEEDED = [
 LOGPROBS = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "auto-avx2"])
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        "float32",
+        "bfloat16",
+        "auto-avx2",
+        pytest.param("cuda-float32", marks=NEEDS_CUDA),
+        pytest.param("cuda-bfloat16", marks=NEEDS_CUDA),
+    ],
+)
 def plain(request):
     """The plain engine for one dtype, the chat prompts, and its outputs: the reference every run
     must equal. auto-avx2: --dtype auto as an AVX2 CPU (most users') runs it, fp32 activations
-    with fp16 weights and KV cache; the C kernels' AVX2 build stays in use for the module."""
+    with fp16 weights and KV cache; the C kernels' AVX2 build stays in use for the module.
+    cuda-*: on a GPU, through the Triton kernels (first run on an H200 in session 30)."""
     with pytest.MonkeyPatch.context() as patch:
-        dtype = request.param
+        dtype, device = request.param, "cpu"
+        if dtype.startswith("cuda-"):
+            dtype, device = dtype.removeprefix("cuda-"), "cuda"
         if dtype == "auto-avx2":
             patch.setenv("NANOSPEC_ISA", "avx2")
             patch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
             if kernels.cpu_isa() != "avx2" or kernels.cpu_kernels() is None:
                 pytest.skip("needs the C kernels' AVX2 build")
             dtype = "auto"
-        llm = LLM(dtype=dtype)
+        llm = LLM(dtype=dtype, device=device)
         if request.param == "auto-avx2":
             assert (llm.dtype, llm.kv_dtype) == (torch.float32, torch.float16)
         prompts = [
@@ -61,7 +76,7 @@ def plain(request):
         seeded = [o.token_ids for o in llm.generate(prompts, SEEDED, use_progress=False)]
         logprobs = [o.logprobs for o in llm.generate(prompts[:2], LOGPROBS, use_progress=False)]
         yield dict(
-            dtype=dtype,
+            settings=dict(dtype=dtype, device=device),
             prompts=prompts,
             llm=llm,
             greedy=greedy,
@@ -78,7 +93,7 @@ def test_batched_equals_alone(plain):
 
 @pytest.mark.parametrize("k", [1, 4, 8, "auto"])
 def test_ngram_greedy_equals_plain(plain, k):
-    spec = LLM(dtype=plain["dtype"], draft="ngram", num_spec_tokens=k)
+    spec = LLM(**plain["settings"], draft="ngram", num_spec_tokens=k)
     if k == "auto":
         tiny.cheap_verification(spec)
     outs = spec.generate(plain["prompts"], GREEDY, use_progress=False)
@@ -93,16 +108,14 @@ def test_ngram_greedy_equals_plain(plain, k):
 def test_self_draft_and_preemption_equal_plain(plain):
     """The target drafting for itself (every draft accepted), with a pool small enough to
     preempt."""
-    spec = LLM(
-        dtype=plain["dtype"], draft=plain["llm"].model_path, num_spec_tokens=3, num_blocks=48
-    )
+    spec = LLM(**plain["settings"], draft=plain["llm"].model_path, num_spec_tokens=3, num_blocks=48)
     outs = spec.generate(plain["prompts"], GREEDY, use_progress=False)
     assert [o.token_ids for o in outs] == plain["greedy"]
     assert spec.stats["preemptions"] > 0
 
 
 def test_seeded_sampling_and_logprobs_equal_plain(plain):
-    spec = LLM(dtype=plain["dtype"], draft="ngram", num_spec_tokens=4)
+    spec = LLM(**plain["settings"], draft="ngram", num_spec_tokens=4)
     assert [
         o.token_ids for o in spec.generate(plain["prompts"], SEEDED, use_progress=False)
     ] == plain["seeded"]
