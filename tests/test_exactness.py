@@ -1,6 +1,7 @@
 # Row invariance, op by op: a row (or a query) computed in a call of any size gives the same bits,
 # for every implementation this machine can run (the C kernels for each ISA it can execute, the
-# torch references, Triton in the interpreter at fp32/fp16). This is what makes speculative output
+# torch references, Triton on CUDA where there is a GPU, else in the interpreter at fp32/fp16; the C
+# and torch ones on CPU tensors, Triton's on DEVICE). This is what makes speculative output
 # equal plain decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to
 # end.
 import dataclasses

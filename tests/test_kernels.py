@@ -327,9 +327,8 @@ def test_c_attention_rotates_and_stores_like_the_ops_it_replaces(
         k_cache, v_cache = head_major(k_cache), head_major(v_cache)
         assert not k_cache.is_contiguous()
     num_tokens = len(q)
-    qkv = randn(
-        num_tokens, 11 * 64, dtype=dtype, device="cpu"
-    )  # 6 query, 2 key and 2 value heads, 1 spare
+    # 6 query, 2 key and 2 value heads, 1 spare
+    qkv = randn(num_tokens, 11 * 64, dtype=dtype, device="cpu")
     q_k, v = qkv[:, : 8 * 64].view(num_tokens, 8, 64), qkv[:, 8 * 64 : 10 * 64].view(-1, 2, 64)
     cos_sin = rope_cache(300, 64)[torch.randint(0, 300, (num_tokens,))].to(dtype)
     cos_sin = cos_sin if rotate else None
