@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_kernels import DEVICE, X_AND_W_DTYPES, make_paged_batch
+from test_kernels import DEVICE, X_AND_W_DTYPES, make_paged_batch, rebuild_cpu_kernels
 
 import kernels
 
@@ -71,7 +71,7 @@ def test_c_linear_rows_stay_invariant_under_a_compiler_that_splits_fma_chains(
 
     monkeypatch.setattr(kernels, "build_command", split_chains)
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
+    rebuild_cpu_kernels(monkeypatch)
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     for w_dtype in (torch.float32, torch.bfloat16):
@@ -358,7 +358,8 @@ def chain_reference(fn, args, ctx, paths):
 
 def alone(fn, q, k_cache, v_cache, block_table, context):
     """One sequence's len(q) last queries, an ordinary step."""
-    seq_lens, starts = (torch.tensor(v, device=q.device) for v in ([context], [0, len(q)]))
+    seq_lens = torch.tensor([context], device=q.device)
+    starts = torch.tensor([0, len(q)], device=q.device)
     ctx = kernels.AttentionContext(None, block_table, seq_lens, starts, len(q))
     return fn(q, k_cache, v_cache, 0.25, ctx)
 
