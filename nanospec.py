@@ -201,7 +201,6 @@ def pack(batch: list[tuple[Sequence, list[int], int]], parents, block_size: int,
 
 # ---------------------------------------------------------------------------------------------
 # The engine's settings
-# The engine: one step is schedule -> propose -> verify -> accept -> commit
 @dataclass
 class EngineConfig:
     """LLMEngine's settings (a field per keyword; the CLI has a flag per field), checked before any
@@ -231,12 +230,14 @@ class EngineConfig:
             self.num_spec_tokens = "auto" if self.draft else 0
         k, draft = self.num_spec_tokens, self.draft
         k_max = k if isinstance(k, int) else 8  # 8: auto's largest K
-        require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
-        require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in ("block_size", "max_num_seqs", "num_blocks", "max_model_len"):
+            value = getattr(self, name)  # (None, where allowed: the default)
+            require(value is None or value >= 1, f"{name} must be >= 1, got {value}")
         require(self.kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        # (before any model loads: a missing CUDA otherwise surfaces as a pinned-memory error)
         require(
-            self.num_blocks is None or self.num_blocks >= 1,
-            f"num_blocks must be >= 1, got {self.num_blocks}",
+            self.device == "cpu" or self.device.startswith("cuda") and torch.cuda.is_available(),
+            f"device {self.device!r} is not available: use cpu, or cuda where torch sees a GPU",
         )
         require(
             k == "auto" or isinstance(k, int) and k >= 0,

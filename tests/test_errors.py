@@ -109,6 +109,13 @@ def test_bad_requests_leave_engine_clean(folder):
     assert llm.generate([[5, 6]], good)[0].token_ids == reference[0].token_ids
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no GPU")
+def test_cuda_without_a_gpu_is_named(folder):
+    # (without the check, the first pinned-memory copy failed, naming pin_memory, not the device)
+    with pytest.raises(ValueError, match="device 'cuda' is not available"):
+        LLM(str(folder), device="cuda")
+
+
 def test_bad_spec_configs(folder, tmp_path):
     with pytest.raises(ValueError, match="needs a draft"):
         LLM(str(folder), num_spec_tokens=3)
@@ -147,6 +154,8 @@ def test_bad_spec_configs(folder, tmp_path):
         (["--max-tokens", "0"], "SamplingParams.max_tokens"),
         (["--max-model-len", "4", "--prompt", "a long prompt here"], "but the context is 4"),
         (["--block-size", "0"], "block_size must be >= 1"),
+        (["--max-model-len", "0"], "max_model_len must be >= 1"),
+        (["--device", "tpu"], "device 'tpu' is not available"),
     ],
 )
 def test_cli_errors_are_one_line(folder, args, message):
