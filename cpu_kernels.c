@@ -500,10 +500,9 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
 #define MAX_DIM 256
 #define QUERY_BLOCK 8
 
-static inline int bit_reversed(int i) {  // i's log2(LANES) bits in reverse order
-    static const int reversed16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-    return reversed16[i] / (16 / LANES);
-}
+// i's log2(LANES) bits in reverse order
+static const int REVERSED16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+static inline int bit_reversed(int i) { return REVERSED16[i] / (16 / LANES); }
 
 // blocks of w lanes of a and b, paired with the next w and summed
 static inline vf fold(vf a, vf b, int w) {
