@@ -114,6 +114,7 @@ def test_cuda_without_a_gpu_is_named(folder):
     # (without the check, the first pinned-memory copy failed, naming pin_memory, not the device)
     with pytest.raises(ValueError, match="device 'cuda' is not available"):
         LLM(str(folder), device="cuda")
+    assert LLM(str(folder), device=torch.device("cpu"), num_blocks=4).device.type == "cpu"
 
 
 def test_bad_spec_configs(folder, tmp_path):
