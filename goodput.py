@@ -143,7 +143,14 @@ def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float
     position 0, and per token per cached key (a verify-sized forward after up to 512 tokens;
     0 if none fit). It borrows the engine's free KV blocks and gives them back."""
     capacity = min(engine.blocks.num_blocks * engine.block_size, engine.max_model_len)
-    sizes = [2**i for i in range(10) if 2**i <= min(max_tokens, capacity)]
+    # On a CPU a step of 128 tokens or more costs about in proportion to its tokens, which is what
+    # interpolate() assumes past the table (the default model: 256 and 512 tokens cost 1.97x and
+    # 4.00x 128's under avx2, 1.88x and 3.53x natively on AVX-512, where the proportion makes the
+    # largest steps look up to 13% dearer than they are). Timing them took 1.5-1.9 s of every
+    # start-up (BENCHMARKS.md, session 31). A GPU's larger steps cost far less than in
+    # proportion, so there they are timed.
+    largest = 128 if engine.device.type == "cpu" else 512
+    sizes = [2**i for i in range(10) if 2**i <= min(max_tokens, capacity, largest)]
     n = max(size for size in sizes if size <= 8)
     context = min(512, capacity - n) if capacity - n >= 64 else 0
     probe = Sequence([0] * max(context + n, sizes[-1]), SamplingParams(), engine.device)

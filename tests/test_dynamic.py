@@ -222,3 +222,8 @@ def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models, monkeyp
     with_context = [call for call in calls if call[1] > 0]
     assert len(with_context) == 5 and len(set(with_context)) == 1 and with_context[0][0] == 8
     assert llm.blocks.num_free_blocks == free_before
+    # on a CPU, sizes past 128 tokens are not timed: interpolate() extends the table in proportion
+    calls.clear()
+    table, _ = profile_step_costs(llm, 512)
+    assert max(table) == 128 and max(num_tokens for num_tokens, _ in calls) == 128
+    assert interpolate(table, 512) == pytest.approx(4 * table[128])
