@@ -4,7 +4,7 @@
 # in Triton.
 import pytest
 import tiny
-import torch
+from test_kernels import DEVICE
 
 import kernels
 from nanospec import LLM, SamplingParams
@@ -51,6 +51,6 @@ def test_triton_path_generates_the_same_tokens(config, tmp_path, monkeypatch):
         monkeypatch.setattr(
             kernels, f"triton_{op}", counting(getattr(kernels, f"triton_{op}"), rows)
         )
-    assert generate("cuda" if torch.cuda.is_available() else "cpu") == expected
+    assert generate(DEVICE) == expected
     assert max(calls["paged_attention"]) >= 3, "no verify-shaped attention call went through Triton"
     assert max(calls["linear"]) >= 3, "no verify-shaped linear went through Triton"
