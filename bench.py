@@ -90,18 +90,14 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
         # None: generate's default, no prompt lookup
         prompt_lookup_num_tokens=prompt_lookup,
     )
-    warm = tokenizer(prompts[:1], return_tensors="pt", add_special_tokens=False).to(model.device)
+    encoding = dict(return_tensors="pt", padding=True, add_special_tokens=False)
+    warm = tokenizer(prompts[:1], **encoding).to(model.device)
     model.generate(**warm, **{**kwargs, "max_new_tokens": 4})
     runs = []
     for _ in range(repeat):
         num_tokens, start = 0, time.perf_counter()
         for i in range(0, len(prompts), batch_size):
-            batch = tokenizer(
-                prompts[i : i + batch_size],
-                return_tensors="pt",
-                padding=True,
-                add_special_tokens=False,
-            ).to(model.device)
+            batch = tokenizer(prompts[i : i + batch_size], **encoding).to(model.device)
             with torch.inference_mode():
                 new = model.generate(**batch, **kwargs)[:, batch["input_ids"].shape[1] :]
             is_eos = new == tokenizer.eos_token_id
@@ -272,13 +268,7 @@ def main(argv=None):
                     config_runs.append(run_nanospec(llm, prompts, params))
                     progress.advance(task)
             for (draft, k, nodes), config_runs in zip(configs, runs):
-                row = {
-                    "method": draft,
-                    "k": k,
-                    "tree": nodes,
-                    "batch": b,
-                    **median_run(config_runs),
-                }
+                row = dict(method=draft, k=k, tree=nodes, batch=b, **median_run(config_runs))
                 if hf and (
                     draft == "none" or draft == "ngram" and not nodes and b == 1 and k != "auto"
                 ):

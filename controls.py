@@ -60,10 +60,7 @@ def has_controls(params) -> bool:
 
 
 def process_logits(
-    logits: torch.Tensor,
-    history: list[int],
-    num_prompt_tokens: int,
-    params,
+    logits: torch.Tensor, history: list[int], num_prompt_tokens: int, params
 ) -> torch.Tensor:
     """One row of logits [V] -> float32 logits after the controls, in vLLM's order (the grammar's
     mask comes first, in apply(): a fill with -inf commutes with this one): allowed_token_ids,

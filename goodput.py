@@ -62,18 +62,11 @@ class GoodputChooser:
         drafts = sorted(
             (-math.prod(a[: j + 1]), j, i) for i, a in enumerate(acceptances) for j in range(len(a))
         )
-        ks, num_tokens, keys, max_k, drafting = (
-            [0] * len(acceptances),
-            len(acceptances),
-            sum(contexts),
-            0,
-            0,
-        )
+        ks, num_tokens, keys = [0] * len(acceptances), len(acceptances), sum(contexts)
+        max_k = drafting = 0
         expected = float(num_tokens)
-        best, best_ks = (
-            (1 + self.margin) * expected / self.step_time(num_tokens, keys, 0, 0),
-            list(ks),
-        )
+        best = (1 + self.margin) * expected / self.step_time(num_tokens, keys, 0, 0)
+        best_ks = list(ks)
         for minus_value, _, i in drafts:
             ks[i] += 1
             num_tokens, keys, expected = num_tokens + 1, keys + contexts[i], expected - minus_value

@@ -105,11 +105,8 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
     Without the C kernels: bf16 where torch has bf16 instructions, else fp32 (on an AVX2 CPU
     torch's bf16 matmul is ~5x slower than fp32)."""
     if torch.device(device).type != "cpu":
-        return (
-            checkpoint_dtype
-            if checkpoint_dtype in (torch.float16, torch.bfloat16)
-            else torch.bfloat16
-        )
+        is_16_bit = checkpoint_dtype in (torch.float16, torch.bfloat16)
+        return checkpoint_dtype if is_16_bit else torch.bfloat16
     if cpu_kernels() is not None:
         return torch.float32
     return torch.bfloat16 if torch_bf16_native() else torch.float32
@@ -219,23 +216,15 @@ C_DTYPES = (torch.float32, torch.bfloat16)
 def pick(x: torch.Tensor, triton_fn, c_fn, torch_fn):
     if x.is_cuda or FORCE_TRITON:
         return triton_fn
-    if (
-        c_fn is not None
-        and x.device.type == "cpu"
-        and x.dtype in C_DTYPES
-        and cpu_kernels() is not None
-    ):
-        return c_fn
-    return torch_fn
+    c_fits = c_fn is not None and x.device.type == "cpu" and x.dtype in C_DTYPES
+    return c_fn if c_fits and cpu_kernels() is not None else torch_fn
 
 
 def rms_norm(x, weight, eps, residual=None):
     """RMSNorm of x, or with a residual of x + residual: (normed, sum). The C kernel writes both
     into x's and residual's own memory, so a caller passes tensors it will not read again."""
-    c_fits = x.dtype == weight.dtype
-    return pick(x, triton_rms_norm, c_rms_norm if c_fits else None, torch_rms_norm)(
-        x, weight, eps, residual
-    )
+    c_fn = c_rms_norm if x.dtype == weight.dtype else None
+    return pick(x, triton_rms_norm, c_fn, torch_rms_norm)(x, weight, eps, residual)
 
 
 def attention(qkv, cos_sin, k_cache, v_cache, scale):

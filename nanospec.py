@@ -575,15 +575,8 @@ def parse_args(argv=None):
         p.add_argument(f"--{name}", type=float)
     p.add_argument("--json-schema", help="a JSON schema file: the output is JSON that validates")
     p.add_argument("--regex", help="the output matches this regular expression")
-    for name in (
-        "block-size",
-        "num-blocks",
-        "max-num-seqs",
-        "max-num-batched-tokens",
-        "max-model-len",
-        "ngram-min",
-        "ngram-max",
-    ):
+    sizes = "block-size num-blocks max-num-seqs max-num-batched-tokens max-model-len".split()
+    for name in sizes + ["ngram-min", "ngram-max"]:
         p.add_argument(f"--{name}", type=int)
     return p.parse_args(argv)
 
@@ -612,10 +605,8 @@ def spec_metrics(outputs: list[RequestOutput]) -> dict:
             drafted[pos] += o.drafted_per_position[pos]
             accepted[pos] += rate * o.drafted_per_position[pos]
     num_drafted = sum(o.num_draft_tokens for o in outputs)
-    num_accepted, steps = (
-        sum(o.num_accepted_tokens for o in outputs),
-        sum(o.num_spec_steps for o in outputs),
-    )
+    num_accepted = sum(o.num_accepted_tokens for o in outputs)
+    steps = sum(o.num_spec_steps for o in outputs)
     return {
         "drafted": num_drafted,
         "pruned": sum(o.num_draft_tokens_pruned for o in outputs),

@@ -109,10 +109,8 @@ class BlockManager:
         self.trim(seq, 0)
 
     def slot(self, seq, position: int) -> int:
-        return (
-            seq.block_table[position // self.block_size] * self.block_size
-            + position % self.block_size
-        )
+        size = self.block_size
+        return seq.block_table[position // size] * size + position % size
 
     def writable(self, block: int) -> bool:
         """A block a sequence may write into: its own alone, holding no cached prefix."""

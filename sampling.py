@@ -105,19 +105,12 @@ def accept_coupled(
         probs = logits_to_probs(logits[node + 1][None], [it.seq])[0]
         return sample_at(probs, it.seq, len(it.seq) + depth)
 
-    path, token = [], target_token(-1, 0)
-    while (
-        child := next(
-            (
-                i
-                for i, (d, p) in enumerate(zip(it.drafts, it.parents))
-                if d == token and p == (path[-1] if path else -1)
-            ),
-            None,
-        )
-    ) is not None:
-        path.append(child)
-        token = target_token(child, len(path))  # each row's token is computed once
+    nodes = list(zip(it.drafts, it.parents))  # (token, parent) per draft node
+    node, path, token = -1, [], target_token(-1, 0)
+    while (token, node) in nodes:  # node's first child that is the target's token
+        node = nodes.index((token, node))
+        path.append(node)
+        token = target_token(node, len(path))  # each row's token is computed once
     return path, token
 
 

@@ -171,10 +171,7 @@ def check_prompt(
         f"prompt has {len(prompt)} tokens but the context is {context} "
         "(max_model_len): it must leave room for at least one new token",
     )
-    require(
-        not params.stop or has_tokenizer,
-        "stop strings need a tokenizer; use stop_token_ids",
-    )
+    require(not params.stop or has_tokenizer, "stop strings need a tokenizer; use stop_token_ids")
 
 
 @dataclass

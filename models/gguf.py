@@ -159,11 +159,6 @@ def build_tokenizer(meta: dict) -> Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     # Control tokens keep their ids (they are already in the vocab) but must never be split by BPE.
-    tok.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, kind in zip(tokens, meta["tokenizer.ggml.token_type"])
-            if kind == CONTROL
-        ]
-    )
+    control = [t for t, kind in zip(tokens, meta["tokenizer.ggml.token_type"]) if kind == CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     return tok

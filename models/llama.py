@@ -58,10 +58,8 @@ class Attention(nn.Module):
         self.num_heads = config["num_attention_heads"]
         self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
         self.head_dim = config.get("head_dim") or hidden // self.num_heads
-        self.q_size, self.kv_size = (
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        )
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         # q, k and v (and gate/up below) are packed into one matmul: fewer, larger ops per layer.
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -145,11 +143,8 @@ class LlamaForCausalLM(nn.Module):
         self.model.norm = RMSNorm(self.hidden_size, config["rms_norm_eps"])
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
         # A tied head is the embedding matrix itself: the loader fills lm_head.weight from it.
-        self.tied_weights = (
-            {"lm_head.weight": "model.embed_tokens.weight"}
-            if config.get("tie_word_embeddings", False)
-            else {}
-        )
+        tied = config.get("tie_word_embeddings", False)
+        self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
         self.max_position_embeddings = config.get("max_position_embeddings", 4096)
         window = config.get("sliding_window")
         if window and (arch == "MistralForCausalLM" or config.get("use_sliding_window")):

@@ -44,10 +44,8 @@ class OPTForCausalLM(nn.Module):
             raise ValueError(
                 f"config.json: OPT activation {config['activation_function']!r} is unsupported"
             )
-        hidden, proj_dim = (
-            config["hidden_size"],
-            config.get("word_embed_proj_dim") or config["hidden_size"],
-        )
+        hidden = config["hidden_size"]
+        proj_dim = config.get("word_embed_proj_dim") or hidden
         # namespaces: parameter names are the checkpoint's ("model.decoder...")
         self.model = nn.Module()
         self.model.decoder = dec = nn.Module()
@@ -55,12 +53,9 @@ class OPTForCausalLM(nn.Module):
         dec.embed_positions = embedding(config["max_position_embeddings"] + POSITION_OFFSET, hidden)
         # A layer the checkpoint lacks is an nn.Identity: no parameters, the forward passes through
         # it.
-        dec.project_in = (
-            nn.Linear(proj_dim, hidden, bias=False) if proj_dim != hidden else nn.Identity()
-        )
-        dec.project_out = (
-            nn.Linear(hidden, proj_dim, bias=False) if proj_dim != hidden else nn.Identity()
-        )
+        projects = proj_dim != hidden
+        dec.project_in = nn.Linear(proj_dim, hidden, bias=False) if projects else nn.Identity()
+        dec.project_out = nn.Linear(hidden, proj_dim, bias=False) if projects else nn.Identity()
         # OPT-350m style (post-norm) checkpoints have no final norm.
         has_norm = config.get("do_layer_norm_before", True) and not config.get(
             "_remove_final_layer_norm"
@@ -75,11 +70,8 @@ class OPTForCausalLM(nn.Module):
         self.hidden_size, self.vocab_size = proj_dim, config["vocab_size"]
         self.max_position_embeddings = config["max_position_embeddings"]
         self.lm_head = nn.Linear(self.hidden_size, self.vocab_size, bias=False)
-        self.tied_weights = (
-            {"lm_head.weight": "model.decoder.embed_tokens.weight"}
-            if config.get("tie_word_embeddings", True)
-            else {}
-        )
+        tied = config.get("tie_word_embeddings", True)
+        self.tied_weights = {"lm_head.weight": "model.decoder.embed_tokens.weight"} if tied else {}
 
     @staticmethod
     def rename(name: str) -> str:
