@@ -2,11 +2,16 @@
 # step from its own acceptance and the step costs, and the start-up profile that seeds those costs.
 # It only chooses K: it must never change which tokens are emitted, only how many are drafted.
 import bisect
+import contextlib
+import hashlib
+import json
 import math
+import platform
 import time
 
 import torch
 
+from kernels import cache_dir, cpu_kernels
 from models import require
 from sequence import SamplingParams, Sequence
 
@@ -129,6 +134,35 @@ def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
         estimates.append(rate)
         prior = (1 + rate) / 2
     return estimates
+
+
+def step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
+    """profile_step_costs(), measured once per machine and setting and kept in the cache dir
+    ($NANOSPEC_CACHE): the next start-up reads it. Two reasons. The profile took 2 s of every
+    start-up with auto K. And this is what makes two runs of the same work decide K alike: the
+    profile fixes the shape of the costs (what a token more costs) for the whole run, real steps
+    rescale only its level, and a host that was 20-30% slower at 9 tokens against 1 during one
+    start-up than another made auto K draft mostly 3 in one run and 7 in the next (BENCHMARKS.md,
+    sessions 31 and 32). The key holds what the costs depend on: the model's shape (its config, not
+    its weights: tests' random checkpoints of one shape share a file), the dtypes, the KV pool and
+    the largest step, and the machine (host name, device, the C kernels' build, threads). Delete the
+    file to profile again."""
+    lib = cpu_kernels() if engine.device.type == "cpu" else None
+    pool = [engine.block_size, engine.blocks.num_blocks, engine.max_model_len, max_tokens]
+    machine = [platform.node(), str(engine.device), lib and lib._name, torch.get_num_threads()]
+    setting = [engine.config, str(engine.dtype), str(engine.kv_dtype), pool, machine]
+    key = hashlib.sha1(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_dir() / f"step-costs-{key}.json"
+    try:
+        table, key_time = json.loads(path.read_text())
+        return {int(size): seconds for size, seconds in table.items()}, key_time
+    except (OSError, ValueError):  # none yet, or another start-up is writing it (not atomic)
+        pass
+    table, key_time = profile_step_costs(engine, max_tokens)
+    with contextlib.suppress(OSError):  # an unwritable cache dir: the next start-up profiles again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([table, key_time]))
+    return table, key_time
 
 
 def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:

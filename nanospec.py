@@ -15,7 +15,7 @@ import torch
 
 import controls
 import kernels
-from goodput import GoodputChooser, acceptance_estimate, clock, profile_step_costs
+from goodput import GoodputChooser, acceptance_estimate, clock, step_costs
 from kernels import AttentionContext
 from models import eos_token_ids, load_model, load_tokenizer, require
 from paged_kv import BlockManager, allocate_kv_cache, bytes_per_block, move_kv
@@ -319,7 +319,7 @@ class LLMEngine:
         if num_spec_tokens == "auto":
             k_max = self.proposer.model.n_predict if isinstance(self.proposer, MLPProposer) else 8
             self.scheduler.chooser = GoodputChooser(
-                k_max, *profile_step_costs(self, c.max_num_seqs * (k_max + 1))
+                k_max, *step_costs(self, c.max_num_seqs * (k_max + 1))
             )
 
     # -- requests -----------------------------------------------------------------------------

@@ -227,3 +227,34 @@ def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models, monkeyp
     table, _ = profile_step_costs(llm, 512)
     assert max(table) == 128 and max(num_tokens for num_tokens, _ in calls) == 128
     assert interpolate(table, 512) == pytest.approx(4 * table[128])
+
+
+def test_step_costs_are_profiled_once_per_machine_and_setting(models, monkeypatch, tmp_path):
+    """The start-up profile is kept in the cache dir: a second engine of the same setting reads
+    it, so it prices steps exactly as the first did (two runs decide K alike) and times no forward.
+    Another setting (here a different KV pool) profiles its own; a half-written file or an
+    unwritable cache dir means profiling again, never an error."""
+    target, _, _ = models
+    profiled = []
+
+    def fake_profile(engine, max_tokens):
+        profiled.append(max_tokens)
+        return {1: 0.5, 2: 0.75 + len(profiled)}, 1e-6
+
+    monkeypatch.setattr(goodput, "profile_step_costs", fake_profile)
+    monkeypatch.setattr(goodput, "cache_dir", lambda: tmp_path)
+
+    def chooser(**settings):
+        settings = dict(dtype="float32", block_size=2, num_blocks=512, draft="ngram") | settings
+        chooser = LLM(target, num_spec_tokens="auto", **settings).scheduler.chooser
+        return chooser.verify_time, chooser.key_time
+
+    assert chooser() == ({1: 0.5, 2: 1.75}, 1e-6) and len(profiled) == 1
+    (saved,) = tmp_path.glob("step-costs-*.json")
+    assert chooser() == ({1: 0.5, 2: 1.75}, 1e-6) and len(profiled) == 1  # read, not timed
+    assert chooser(num_blocks=256) == ({1: 0.5, 2: 2.75}, 1e-6) and len(profiled) == 2
+    saved.write_text('[{"1": 0.5, "2"')  # another start-up caught writing it
+    assert chooser() == ({1: 0.5, 2: 3.75}, 1e-6) and len(profiled) == 3
+    assert chooser() == ({1: 0.5, 2: 3.75}, 1e-6) and len(profiled) == 3
+    monkeypatch.setattr(goodput, "cache_dir", lambda: saved / "not-a-dir")
+    assert chooser()[0][2] == 4.75 and chooser()[0][2] == 5.75 and len(profiled) == 5
