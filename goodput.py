@@ -140,13 +140,14 @@ def step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
     """profile_step_costs(), measured once per machine and setting and kept in the cache dir
     ($NANOSPEC_CACHE): the next start-up reads it. Two reasons. The profile took 2 s of every
     start-up with auto K. And this is what makes two runs of the same work decide K alike: the
-    profile fixes the shape of the costs (what a token more costs) for the whole run, real steps
-    rescale only its level, and a host that was 20-30% slower at 9 tokens against 1 during one
-    start-up than another made auto K draft mostly 3 in one run and 7 in the next (BENCHMARKS.md,
-    sessions 31 and 32). The key holds what the costs depend on: the model's shape (its config, not
-    its weights: tests' random checkpoints of one shape share a file), the dtypes, the KV pool and
-    the largest step, and the machine (host name, device, the C kernels' build, threads). Delete the
-    file to profile again."""
+    profile fixes the shape of the costs (what a token more costs) for the whole run, and real
+    steps rescale only its level. On a host whose 8-token steps cost 1.5x a 1-token step during
+    one start-up and 1.75x during the next, auto K drafted mostly 3 in one run and 7 in another
+    (BENCHMARKS.md, sessions 31 and 32). The key holds what the costs depend on: the model's shape
+    (its config, not its weights: tests' random checkpoints of one shape share a file), the dtypes,
+    the KV pool and the largest step, and the machine (host name, device, the C kernels' build,
+    threads). A profile whose passes disagreed (a busy machine) is not kept. Delete the file to
+    profile again."""
     lib = cpu_kernels() if engine.device.type == "cpu" else None
     pool = [engine.block_size, engine.blocks.num_blocks, engine.max_model_len, max_tokens]
     machine = [platform.node(), str(engine.device), lib and lib._name, torch.get_num_threads()]
@@ -158,17 +159,19 @@ def step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
         return {int(size): seconds for size, seconds in table.items()}, key_time
     except (OSError, ValueError):  # none yet, or another start-up is writing it (not atomic)
         pass
-    table, key_time = profile_step_costs(engine, max_tokens)
-    with contextlib.suppress(OSError):  # an unwritable cache dir: the next start-up profiles again
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps([table, key_time]))
+    table, key_time, steady = profile_step_costs(engine, max_tokens)
+    if steady:  # (one taken beside other work serves this run only)
+        with contextlib.suppress(OSError):  # an unwritable cache dir: the next start-up profiles
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps([table, key_time]))
     return table, key_time
 
 
-def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
+def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float, bool]:
     """The chooser's first costs: seconds per forward with logits of 1, 2, 4, ... tokens from
     position 0, and per token per cached key (a verify-sized forward after up to 512 tokens;
-    0 if none fit). It borrows the engine's free KV blocks and gives them back."""
+    0 if none fit); and whether its passes agreed (steady). It borrows the engine's free KV
+    blocks and gives them back."""
     capacity = min(engine.blocks.num_blocks * engine.block_size, engine.max_model_len)
     # On a CPU a step of 128 tokens or more costs about in proportion to its tokens, which is what
     # interpolate() assumes past the table (the default model: 256 and 512 tokens cost 1.97x and
@@ -207,7 +210,13 @@ def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float
     # larger one measured (a burst during size 2's passes had it cost more than size 8).
     best = [min(best[i:]) for i in range(len(best))]
     table = dict(zip(sizes, best))
-    return table, max(with_context - table[n], 0.0) / (n * context) if context else 0.0
+    key_time = max(with_context - table[n], 0.0) / (n * context) if context else 0.0
+    # On a quiet machine the two best passes of a size timed five times agree within a few
+    # percent (at most 7% on session 32's host, though the costs' shape moved 20% between
+    # profiles). Far apart, the profile ran beside other work (three processes' threads on two
+    # cores made one forward take 2 s, not 11 ms): not steady, so not worth keeping.
+    steady = all(sorted(t)[1] < 1.25 * min(t) for t in zip(*passes) if math.inf not in t)
+    return table, key_time, steady
 
 
 def time_forward(engine, probe: Sequence, num_tokens: int, start: int) -> float:
