@@ -3,12 +3,12 @@
 # and with a self-draft, seeded sampling, logprobs, a run with forced preemption, and batched
 # against alone; where there is a GPU, also on CUDA in fp32 and bf16. Kept to a few prompts and 160
 # tokens for CI; `bench.py` reports "identical to plain" for any larger workload.
-import functools
 import importlib.util
 
 import pytest
 import tiny
 import torch
+from test_kernels import rebuild_cpu_kernels
 
 import kernels
 from nanospec import LLM, SamplingParams
@@ -61,8 +61,7 @@ def plain(request):
         if dtype.startswith("cuda-"):
             dtype, device = dtype.removeprefix("cuda-"), "cuda"
         if dtype == "auto-avx2":
-            patch.setenv("NANOSPEC_ISA", "avx2")
-            patch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
+            rebuild_cpu_kernels(patch, "avx2")
             if kernels.cpu_isa() != "avx2" or kernels.cpu_kernels() is None:
                 pytest.skip("needs the C kernels' AVX2 build")
             dtype = "auto"

@@ -5,7 +5,6 @@
 # equal plain decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to
 # end.
 import dataclasses
-import functools
 from unittest import mock
 
 import pytest
@@ -24,9 +23,7 @@ def c_isa(request, monkeypatch):
     have = kernels.cpu_isa()
     if ISAS.index(request.param) < ISAS.index(have):
         pytest.skip(f"this CPU runs {have}, not {request.param}")
-    monkeypatch.setenv("NANOSPEC_ISA", request.param)
-    # a rebuild
-    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
+    rebuild_cpu_kernels(monkeypatch, request.param)
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     yield request.param  # then monkeypatch restores the build for this CPU
@@ -111,8 +108,7 @@ def test_the_bf16_dot_product_is_its_documented_chain(monkeypatch):
     there: the FMA path (the avx512 build) keeps a denormal's product."""
     if "avx512_bf16" not in kernels.cpu_flags():
         pytest.skip("this CPU has no AVX512-BF16")
-    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
-    monkeypatch.setenv("NANOSPEC_ISA", "avx512bf16")
+    rebuild_cpu_kernels(monkeypatch, "avx512bf16")
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     x, weight = torch.randn(5, 256).bfloat16(), (0.1 * torch.randn(32, 256)).bfloat16()

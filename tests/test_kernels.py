@@ -242,9 +242,12 @@ X_AND_W_DTYPES = pytest.mark.parametrize(
 )
 
 
-def rebuild_cpu_kernels(monkeypatch):
+def rebuild_cpu_kernels(monkeypatch, isa: str | None = None):
     """The next cpu_kernels() builds (or finds) and loads the library again, for this test's
-    environment; monkeypatch restores the cached one afterwards."""
+    environment (and for `isa`, as NANOSPEC_ISA sets it); monkeypatch restores the cached one
+    afterwards."""
+    if isa:
+        monkeypatch.setenv("NANOSPEC_ISA", isa)
     monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
 
 
