@@ -228,6 +228,16 @@ def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models, monkeyp
     table, _, _ = profile_step_costs(llm, 512)
     assert max(table) == 128 and max(num_tokens for num_tokens, _ in calls) == 128
     assert interpolate(table, 512) == pytest.approx(4 * table[128])
+    # Steady while a size's two best passes agree within 25%: 20% apart yes, 30% apart no (the
+    # machine was busy: step_costs() does not keep such a profile).
+    for gap, steady in ((1.2, True), (1.3, False)):
+        size_1 = iter([1.0] + [gap] * 4)  # its five passes
+
+        def time_size_1(engine, probe, num_tokens, start, size_1=size_1):
+            return 1e-3 * num_tokens * (next(size_1) if (num_tokens, start) == (1, 0) else 1)
+
+        monkeypatch.setattr(goodput, "time_forward", time_size_1)
+        assert profile_step_costs(llm, 128)[2] == steady
 
 
 def test_step_costs_are_profiled_once_per_machine_and_setting(models, monkeypatch, tmp_path):
