@@ -235,10 +235,11 @@ class EngineConfig:
             require(value is None or value >= 1, f"{name} must be >= 1, got {value}")
         require(self.kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         # (before any model loads: a missing CUDA otherwise surfaces as a pinned-memory error)
-        kind = str(self.device).split(":")[0]  # ("cuda:1", or a torch.device)
+        device = str(self.device)  # ("cuda:1", or a torch.device)
+        kind = device.split(":")[0]
         require(
             kind == "cpu" or kind == "cuda" and torch.cuda.is_available(),
-            f"device {str(self.device)!r} is not available: use cpu, or cuda where torch has a GPU",
+            f"device {device!r} is not available: use cpu, or cuda where torch has a GPU",
         )
         require(
             k == "auto" or isinstance(k, int) and k >= 0,

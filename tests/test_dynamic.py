@@ -247,11 +247,12 @@ def test_step_costs_are_profiled_once_per_machine_and_setting(models, monkeypatc
     (a busy machine), a half-written file or an unwritable cache dir mean profiling again, never
     an error."""
     target, _, _ = models
-    profiled, steady = [], [False, True]
+    profiled = []
 
     def fake_profile(engine, max_tokens):
+        """The first profile ran beside other work (not steady); every later one is steady."""
         profiled.append(max_tokens)
-        return {1: 0.5, 2: 0.75 + len(profiled)}, 1e-6, steady[min(len(profiled) - 1, 1)]
+        return {1: 0.5, 2: 0.75 + len(profiled)}, 1e-6, len(profiled) > 1
 
     monkeypatch.setattr(goodput, "profile_step_costs", fake_profile)
     monkeypatch.setattr(goodput, "cache_dir", lambda: tmp_path)
