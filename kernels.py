@@ -756,12 +756,16 @@ def _linear_kernel(
 def triton_linear(x, weight, bias=None):
     """y = x W^T + b, row-invariant: tiles fixed per dtype (never chosen by M) and no split-K, so
     an output is the same fp32 dot over K in BLOCK_K steps whatever the row count; output in x's
-    dtype. Tiles of 32-64 rows waste MMA work at decode's few rows, but decode is bound by
-    reading weights."""
+    dtype. The tiles were chosen on an H100 (BENCHMARKS.md, session 33), timing a forward's 121
+    linears of the default model at M = 1, 9, 64, 256 and 2048 against other tiles: narrow ones
+    give a 576- or 960-column layer enough programs to fill the SMs at decode's few rows. fp32
+    (16 x 32 x 32, 2 warps; its dots run on the FMA units) was 2-4x faster than the 32 x 64 tiles
+    it replaced at 1-64 rows, equal at 256 and 4% slower at 2048. 16-bit (32 x 32 x 64) beat
+    64 x 64 x 64 at every M: 1.04-1.06x at 1-64 rows, 2.3x at 256, 1.3x at 2048."""
     x2, n = _as_rows(x), weight.shape[0]
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    # fp32: 2x bytes
-    block_m, block_n, block_k = (32, 64, 32) if x.dtype == torch.float32 else (64, 64, 64)
+    fp32 = x.dtype == torch.float32
+    (block_m, block_n, block_k), num_warps = ((16, 32, 32), 2) if fp32 else ((32, 32, 64), 4)
     _launch(
         _linear_kernel,
         (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)),
@@ -776,7 +780,7 @@ def triton_linear(x, weight, bias=None):
             x2.stride(0),
             weight.stride(0),
         ),
-        4,
+        num_warps,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
