@@ -150,14 +150,18 @@ def step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
     profile again."""
     lib = cpu_kernels() if engine.device.type == "cpu" else None
     pool = [engine.block_size, engine.blocks.num_blocks, engine.max_model_len, max_tokens]
-    machine = [platform.node(), str(engine.device), lib and lib._name, torch.get_num_threads()]
+    # (a GPU by its model: one host may hold several kinds)
+    gpu = engine.device.type == "cuda" and torch.cuda.get_device_name(engine.device)
+    machine = [platform.node(), gpu or str(engine.device), lib and lib._name]
+    machine.append(torch.get_num_threads())
     setting = [engine.config, str(engine.dtype), str(engine.kv_dtype), pool, machine]
     key = hashlib.sha1(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir() / f"step-costs-{key}.json"
     try:
         table, key_time = json.loads(path.read_text())
-        return {int(size): seconds for size, seconds in table.items()}, key_time
-    except (OSError, ValueError):  # none yet, or another start-up is writing it (not atomic)
+        return {int(size): float(seconds) for size, seconds in table.items()}, float(key_time)
+    # none yet, another start-up writing it (not atomic), or not a table (edited by hand)
+    except (OSError, ValueError, TypeError, AttributeError):
         pass
     table, key_time, steady = profile_step_costs(engine, max_tokens)
     if steady:  # (one taken beside other work serves this run only)

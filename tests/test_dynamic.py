@@ -244,8 +244,8 @@ def test_step_costs_are_profiled_once_per_machine_and_setting(models, monkeypatc
     """The start-up profile is kept in the cache dir: a second engine of the same setting reads
     it, so it prices steps exactly as the first did (two runs decide K alike) and times no forward.
     Another setting (here a different KV pool) profiles its own; a profile whose passes disagreed
-    (a busy machine), a half-written file or an unwritable cache dir mean profiling again, never
-    an error."""
+    (a busy machine), a half-written file, a file that holds no table or an unwritable cache dir
+    mean profiling again, never an error."""
     target, _, _ = models
     profiled = []
 
@@ -270,5 +270,9 @@ def test_step_costs_are_profiled_once_per_machine_and_setting(models, monkeypatc
     saved.write_text('[{"1": 0.5, "2"')  # another start-up caught writing it
     assert chooser() == ({1: 0.5, 2: 4.75}, 1e-6) and len(profiled) == 4
     assert chooser() == ({1: 0.5, 2: 4.75}, 1e-6) and len(profiled) == 4
+    for not_a_table in ("[[1, 2], 3]", '[{"1": "fast"}, 1]', '[{"1": 0.5}, null]', "{}"):
+        saved.write_text(not_a_table)
+        chooser()
+    assert len(profiled) == 8 and chooser() == ({1: 0.5, 2: 8.75}, 1e-6) and len(profiled) == 8
     monkeypatch.setattr(goodput, "cache_dir", lambda: saved / "not-a-dir")
-    assert chooser()[0][2] == 5.75 and chooser()[0][2] == 6.75 and len(profiled) == 6
+    assert chooser()[0][2] == 9.75 and chooser()[0][2] == 10.75 and len(profiled) == 10
