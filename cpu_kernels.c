@@ -551,10 +551,12 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         // key j in slot bit_reversed(j), the order sum_lanes wants (the loop unrolled, so that
         // bit_reversed(j) is a constant: at 2,000 keys, 12% faster on avx2, session 17)
         for (int j = 0; j < LANES; j++) {
-            // past the last key: a valid one, masked below
+            // Past the last key: the chunk's first, masked below. Never a slot beyond it, which
+            // this sequence may not have written: the pool is uninitialized memory, and a weight
+            // of 0 would not hide a NaN there (0 x NaN is NaN).
             int64_t l = l0 + j < all_keys ? l0 + j : l0;
             if (remap && l >= remap_from) l = remap[l - remap_from];  // a tree node's path
-            int64_t at = one_block ? first + j * stride[1]
+            int64_t at = one_block ? first + (l - l0) * stride[1]
                                    : table[l / block_size] * stride[0] + l % block_size * stride[1];
             at = (at + kv_head * stride[2]) * kv_elem;  // in bytes
             for (int c = 0; c < chunks; c++) {

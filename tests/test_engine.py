@@ -241,6 +241,21 @@ def test_acceptance_per_position_pools_requests(target, drafts):
 
 
 @pytest.mark.parametrize("draft", ["none", "ngram", "self"])
+def test_no_kernel_reads_a_kv_slot_before_it_is_written(target, drafts, plain_outputs, draft):
+    """The KV pool is allocated uninitialized (paged_kv.allocate_kv_cache), so no kernel may read
+    a slot its sequence has not written, not even one it then weighs by zero: 0 x NaN is NaN. A
+    pool full of NaN must give plain decoding's tokens, with speculation (whose rejected slots
+    are written, then rolled back) and chunked prefill. Blocks of 16 slots: the C attention reads
+    a chunk of keys that lies in one block as one run of slots."""
+    spec = {} if draft == "none" else dict(draft=drafts[draft], num_spec_tokens=3)
+    llm = LLM(target[0], dtype="float32", block_size=16, max_num_batched_tokens=24, **spec)
+    for cache in llm.kv_caches:
+        cache.fill_(float("nan"))
+    outs = llm.generate(prompts(10), GREEDY, use_progress=False)
+    assert [o.token_ids for o in outs] == plain_outputs
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "self"])
 def test_bf16_c_kernels_give_the_torch_paths_greedy_output(target, drafts, monkeypatch, draft):
     """In bf16 on the CPU the engine runs cpu_kernels.c's RMSNorm, rotary and decode attention;
     greedy tokens must equal the torch path's, with and without speculation, with preemption and
