@@ -130,6 +130,13 @@ def load_model(path: str, dtype="auto", device="cpu", pack=True):
         raise ValueError(f"{path}/config.json: missing field {e.args[0]!r}") from None
     load_weights(model, path, dtype, device)
     model = use_linears(model.to(device).eval(), pack, small_weights=auto)
+    # On a CPU, safetensors' tensors are views of the file's memory mapping, which stays resident
+    # as long as one of them lives. Copy what packing left as it was (embeddings, norms, biases),
+    # so that the file is unmapped: the default model's 0.5 GB fp32 file held 1.15 GB of memory
+    # after loading, 0.74 GB once copied (+0.1 GB of copies).
+    if torch.device(device).type == "cpu":
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
     # nn.Module keeps submodules and parameters in dicts of its own and finds each through
     # __getattr__ at every use (~0.3 us, 310 times a decode step of the default model): a copy in
     # each module's __dict__ is found directly. (nn.Module's __setattr__ drops the copy when a

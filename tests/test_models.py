@@ -1,6 +1,9 @@
 # Every architecture's logits through the paged cache match transformers (the oracle) in float32: a
 # prefill chunk, several single-token decode steps and a verify-shaped multi-token step, block size
 # 4.
+import gc
+import os
+
 import pytest
 import tiny
 import torch
@@ -76,6 +79,21 @@ def test_sharded_checkpoint_loads(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
     assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc")
+def test_a_cpu_model_keeps_no_view_of_its_checkpoint_file(tmp_path):
+    """safetensors' tensors are views of the file's memory mapping, resident for as long as one of
+    them lives (the default model: 0.5 GB more memory than its weights need). After loading,
+    the file must be unmapped, and the model still compute the same logits."""
+    hf = tiny.write_checkpoint(tmp_path, tiny.llama_like())
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=16)
+    gc.collect()
+    assert str(tmp_path / "model.safetensors") not in open("/proc/self/maps").read()
+    tokens = list(range(3, 14))
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert (paged_logits(llm, [(tokens, [11])])[0] - ref).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
