@@ -132,8 +132,8 @@ def load_model(path: str, dtype="auto", device="cpu", pack=True):
     model = use_linears(model.to(device).eval(), pack, small_weights=auto)
     # On a CPU, safetensors' tensors are views of the file's memory mapping, which stays resident
     # as long as one of them lives. Copy what packing left as it was (embeddings, norms, biases),
-    # so that the file is unmapped: the default model's 0.5 GB fp32 file held 1.15 GB of memory
-    # after loading, 0.74 GB once copied (+0.1 GB of copies).
+    # so that the file is unmapped. With the default model (a 0.5 GB fp32 file) the process held
+    # 1.15 GB after loading, and 0.74 GB with the copies (0.1 GB of them).
     if torch.device(device).type == "cpu":
         for tensor in [*model.parameters(), *model.buffers()]:
             tensor.data = tensor.data.clone()

@@ -248,7 +248,8 @@ def test_no_kernel_reads_a_kv_slot_before_it_is_written(target, drafts, plain_ou
     are written, then rolled back) and chunked prefill. Blocks of 16 slots: the C attention reads
     a chunk of keys that lies in one block as one run of slots."""
     spec = {} if draft == "none" else dict(draft=drafts[draft], num_spec_tokens=3)
-    llm = LLM(target[0], dtype="float32", block_size=16, max_num_batched_tokens=24, **spec)
+    settings = dict(dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=24)
+    llm = LLM(target[0], **settings, **spec)
     for cache in llm.kv_caches:
         cache.fill_(float("nan"))
     outs = llm.generate(prompts(10), GREEDY, use_progress=False)
