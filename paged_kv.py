@@ -167,8 +167,9 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) ->
     stream instead of 128 bytes at a stride of all the heads. Measured on avx2, a layer's decode
     attention over 2,000 tokens (2 threads): slot-major 162 -> 143 us head-major within a block
     (session 17); that 120 -> 76 us head-major across the pool (session 18). The same bits.
-    Uninitialized (torch.empty), because no kernel reads a slot before its sequence writes it
-    (tests/test_engine.py fills a pool with NaN to check). Zeroing the default 1 GiB pool took
+    Uninitialized (torch.empty), because no kernel reads a slot before it is written, by its own
+    sequence or by the one whose cached prefix it shares (tests/test_engine.py fills a pool with
+    NaN to check). Zeroing the default 1 GiB pool took
     0.3 s of a 3-4 s start-up on a CPU and made all of it resident at once; an untouched
     allocation this large is pages the OS maps in as blocks are first used (`nanospec.py --prompt
     hi`: 2.2 GB of memory at most before, 1.4 GB after)."""

@@ -243,7 +243,7 @@ def test_acceptance_per_position_pools_requests(target, drafts):
 @pytest.mark.parametrize("draft", ["none", "ngram", "self"])
 def test_no_kernel_reads_a_kv_slot_before_it_is_written(target, drafts, plain_outputs, draft):
     """The KV pool is allocated uninitialized (paged_kv.allocate_kv_cache), so no kernel may read
-    a slot its sequence has not written, not even one it then weighs by zero: 0 x NaN is NaN. A
+    a slot that has not been written, not even one it then weighs by zero: 0 x NaN is NaN. A
     pool full of NaN must give plain decoding's tokens, with speculation (whose rejected slots
     are written, then rolled back) and chunked prefill. Blocks of 16 slots: the C attention reads
     a chunk of keys that lies in one block as one run of slots."""
