@@ -169,10 +169,10 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) ->
     (session 17); that 120 -> 76 us head-major across the pool (session 18). The same bits.
     Uninitialized (torch.empty), because no kernel reads a slot before it is written, by its own
     sequence or by the one whose cached prefix it shares (tests/test_engine.py fills a pool with
-    NaN to check). Zeroing the default 1 GiB pool took
-    0.3 s of a 3-4 s start-up on a CPU and made all of it resident at once; an untouched
-    allocation this large is pages the OS maps in as blocks are first used (`nanospec.py --prompt
-    hi`: 2.2 GB of memory at most before, 1.4 GB after)."""
+    NaN to check). Zeroing the default 1 GiB pool took 0.3 s of a 3-4 s start-up on a CPU and
+    made all of it resident at once; an untouched allocation this large is pages the OS maps in
+    as blocks are first used (`nanospec.py --prompt hi`: 2.2 GB of memory at most before, 1.4 GB
+    after)."""
     layers = attention_layers(model)
     shape = (2, len(layers), layers[0].num_kv_heads, num_blocks, block_size, layers[0].head_dim)
     cache = torch.empty(shape, dtype=dtype, device=device).permute(0, 1, 3, 4, 2, 5)
