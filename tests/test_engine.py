@@ -282,14 +282,13 @@ def test_auto_dtype_is_fp32_with_fp16_weights(target, drafts, monkeypatch, draft
     fp16 KV cache, on the AVX2 build (FMAs) and the AMX build (tiles over bf16 halves of x and
     of the weights). Speculation keeps its greedy output, bit for bit, with lookahead across
     blocks, preemption and chunked prefill (which takes the blocked path)."""
-    import functools
+    from test_kernels import rebuild_cpu_kernels
 
     import kernels
 
     if not set(kernels.ISA_NEEDS[isa]) <= kernels.cpu_flags():
         pytest.skip(f"this CPU cannot run the {isa} build")
-    monkeypatch.setenv("NANOSPEC_ISA", isa)
-    monkeypatch.setattr(kernels, "cpu_kernels", functools.cache(kernels.cpu_kernels.__wrapped__))
+    rebuild_cpu_kernels(monkeypatch, isa)
     if kernels.cpu_kernels() is None:
         pytest.skip(f"the C kernels' {isa} build did not build or load here")
 
