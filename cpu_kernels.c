@@ -396,9 +396,7 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
     // (elem: the bytes of an element of x; only gated rows come in bf16)
     int interleaved = !amx && wt == 2 && M <= 3 * MAX_ROWS, elem = x_bf16 ? 2 : 4;
     int64_t copied_rows = (amx && !x_bf16) || (M > 1 && interleaved) || gated ? M : 0;
-    float *copy = scratch;
-    const void *rows = copied_rows ? copy : x;
-    scratch += copied_rows * K;
+    const void *rows = copied_rows ? scratch : x;  // (x's copy: the start of scratch)
     // Each thread owns an equal run of panels and walks every row through it: its weights stay in
     // its cache while the rows pass, and which thread computes an output never changes its value.
     // The interleaving before the tiles shares the threads too (one parallel region for both: a
@@ -421,10 +419,11 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
                 // row m's block: its first row m0 and its row count (interleaved copies)
                 int64_t rb = ROW_BLOCK(M), m0 = m - m % rb, block = M - m0 < rb ? M - m0 : rb;
                 for (int64_t k = k0; k < k0 + LANES && k < K; k++) {
-                    bf16 *half = (bf16 *)copy + m * K + k;  // x_hi (rounded as torch rounds), x_lo
+                    // x_hi (rounded as torch rounds), x_lo
+                    bf16 *half = (bf16 *)scratch + m * K + k;
                     float value = gated ? v[k - k0] : ((const float *)x)[m * K + k];
                     if (!x_bf16 && !amx)
-                        copy[interleaved ? m0 * K + k * block + m % rb : m * K + k] = value;
+                        scratch[interleaved ? m0 * K + k * block + m % rb : m * K + k] = value;
                     else  // gated rows for bf16 tiles (AMX's or the dot product's), or AMX's x_hi
                         half[0] = to_bf16(value);
                     if (amx && !x_bf16) half[M * K] = to_bf16(value - to_f32(half[0]));  // x_lo
@@ -432,7 +431,8 @@ void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, 
             }
         int t = omp_get_thread_num(), n = omp_get_num_threads();
         int first = num_panels * t / n, last = num_panels * (t + 1) / n;
-        float *own = scratch ? scratch + t * K * 2 * PANEL : 0;  // see linear_panels, amx_panels
+        // (past x's copy; see linear_panels, amx_panels)
+        float *own = scratch ? scratch + (copied_rows + t * 2 * PANEL) * K : 0;
 #ifdef __AMX_BF16__
         if (amx)
             amx_panels(rows, w, bias, y, M, N, K2, first, last, !x_bf16, y_bf16, (vu *)own);
