@@ -246,6 +246,9 @@ def attention(qkv, cos_sin, k_cache, v_cache, scale):
     )
     if fn is c_paged_attention:  # which rotates and stores them itself: one call, not six ops
         return fn(qkv, k_cache, v_cache, scale, context, fused=True, cos_sin=cos_sin)
+    if fn is triton_paged_attention:  # and on a GPU one launch, not a dozen
+        q = triton_rotary_store(qkv, cos_sin, k_cache, v_cache, context.slot_mapping, num_heads)
+        return fn(q, k_cache, v_cache, scale, context).flatten(1)
     q_k, v = qkv.view(len(qkv), -1, head_dim).split((num_heads + num_kv_heads, num_kv_heads), 1)
     # (rotary is elementwise, one fixed formula an element: torch's is row-invariant on every
     # device; where the C call runs, it rotates itself)
@@ -576,9 +579,6 @@ def _paged_attention_kernel(
     tree_width,
     scale,
     stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
     stride_cb,
     stride_cs,
     stride_ch,
@@ -612,11 +612,9 @@ def _paged_attention_kernel(
         remap_from = tl.load(tree_pos_ptr + q_start + q_block) - tree_width + 1
     dims = tl.arange(0, DIM_PAD)
     q_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=q_mask,
-        other=0.0,
-    )
+    # q's rows at any stride, its heads side by side in them; out's rows whole, contiguous
+    in_row = head[:, None] * HEAD_DIM + dims[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + in_row, mask=q_mask, other=0.0)
 
     # Online softmax in the log2 domain (exp2 is the native instruction): scores carry log2(e).
     qk_scale = scale * 1.4426950408889634
@@ -659,7 +657,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    out_ptrs = out_ptr + token[:, None] * (tl.num_programs(2) * GROUP * HEAD_DIM) + in_row
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -674,7 +672,8 @@ def triton_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
     path can remap the tile's key positions."""
     _, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    assert q.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert q.stride(2) == 1 and q.stride(1) == head_dim, "q: [T, Hq, D], heads side by side"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     group = num_heads // num_kv_heads
     # per model, never per step: a query's tile shape is always the same
@@ -685,26 +684,12 @@ def triton_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext):
         (seq_lens, seq_lens, 0) if tree_pos is None else (tree_pos, tree_keys, tree_keys.shape[1])
     )
     grid = (triton.cdiv(ctx.max_q_len, block_q), seq_lens.shape[0], num_kv_heads)
+    tensors = (q, k_cache, v_cache, out, ctx.block_tables, seq_lens, ctx.query_start_loc, *tree)
+    strides = (q.stride(0), *k_cache.stride()[:3], ctx.block_tables.stride(0))
     _launch(
         _paged_attention_kernel,
         grid,
-        (
-            q,
-            k_cache,
-            v_cache,
-            out,
-            ctx.block_tables,
-            seq_lens,
-            ctx.query_start_loc,
-            *tree,
-            scale,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            *k_cache.stride()[:3],
-            ctx.block_tables.stride(0),
-        ),
+        (*tensors, scale, *strides),
         4,
         BLOCK_SIZE=block_size,
         GROUP=group,
@@ -763,23 +748,15 @@ def triton_linear(x, weight, bias=None):
     it replaced at 1-64 rows, equal at 256 and 4% slower at 2048. 16-bit (32 x 32 x 64) beat
     64 x 64 x 64 at every M: 1.04-1.06x at 1-64 rows, 2.3x at 256, 1.3x at 2048."""
     x2, n = _as_rows(x), weight.shape[0]
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    m, k = x2.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     fp32 = x.dtype == torch.float32
     (block_m, block_n, block_k), num_warps = ((16, 32, 32), 2) if fp32 else ((32, 32, 64), 4)
+    tensors = (x2, weight, weight if bias is None else bias, out)  # (no bias: the weight, unread)
     _launch(
         _linear_kernel,
-        (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n)),
-        (
-            x2,
-            weight,
-            weight if bias is None else bias,
-            out,
-            x2.shape[0],
-            n,
-            x2.shape[1],
-            x2.stride(0),
-            weight.stride(0),
-        ),
+        (triton.cdiv(m, block_m), triton.cdiv(n, block_n)),
+        (*tensors, m, n, k, x2.stride(0), weight.stride(0)),
         num_warps,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
@@ -834,3 +811,78 @@ def triton_rms_norm(x, weight, eps, residual=None):
         BLOCK=block,
     )
     return out.view(x.shape) if residual is None else (out.view(x.shape), summed.view(x.shape))
+
+
+@triton.jit
+def _rotary_store_kernel(
+    qkv_ptr,
+    cos_sin_ptr,
+    slot_mapping_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_qkv,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+    ROTARY: tl.constexpr,
+):
+    # One program per token, over its row of qkv: its q, k and v heads side by side.
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, ROW_PAD)
+    head, dim = i // HEAD_DIM, i % HEAD_DIM
+    row = qkv_ptr + t * stride_qkv
+    x = tl.load(row + i, mask=head < NUM_HEADS + 2 * NUM_KV_HEADS)
+    if ROTARY:  # q and k heads: torch_rotary's formula, each product rounded to x's dtype
+        half: tl.constexpr = HEAD_DIM // 2
+        rotated = head < NUM_HEADS + NUM_KV_HEADS
+        partner = tl.load(row + head * HEAD_DIM + (dim + half) % HEAD_DIM, mask=rotated)
+        cos = tl.load(cos_sin_ptr + t * HEAD_DIM + dim % half, mask=rotated)
+        sin = tl.load(cos_sin_ptr + t * HEAD_DIM + half + dim % half, mask=rotated)
+        a = (x.to(tl.float32) * cos.to(tl.float32)).to(x.dtype).to(tl.float32)
+        b = (partner.to(tl.float32) * sin.to(tl.float32)).to(x.dtype).to(tl.float32)
+        x = tl.where(rotated, tl.where(dim < half, a - b, a + b).to(x.dtype), x)
+    tl.store(q_ptr + t * NUM_HEADS * HEAD_DIM + i, x, mask=head < NUM_HEADS)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    at = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot + dim
+    kv_head = head - NUM_HEADS  # k's heads, then v's (tl.store rounds to the cache's dtype)
+    is_k = (kv_head >= 0) & (kv_head < NUM_KV_HEADS)
+    tl.store(k_cache_ptr + at + kv_head * stride_cache_head, x, mask=is_k)
+    v_head = kv_head - NUM_KV_HEADS
+    is_v = (v_head >= 0) & (v_head < NUM_KV_HEADS)
+    tl.store(v_cache_ptr + at + v_head * stride_cache_head, x, mask=is_v)
+
+
+def triton_rotary_store(qkv, cos_sin, k_cache, v_cache, slot_mapping, num_heads):
+    """What attention() does before the attention kernel, in one launch instead of about a dozen
+    small torch ops (a decode step on a GPU waits on its launches: on an H200, a bf16 decode step
+    of the default model took 0.75-0.8x the time, 317 kernels a step against 617; BENCHMARKS.md,
+    session 35). Rotates this step's q and k heads, side by side in each row
+    of qkv [T, (Hq + 2 Hkv) * D] (cos_sin [T, D], contiguous; None: no rotary), stores k and v at
+    their slots, and returns q [T, Hq, D]: the same bits as torch_rotary then store_kv (fp fusion
+    off, each product rounded where torch rounds it)."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and qkv.stride(1) == 1
+    assert cos_sin is None or cos_sin.is_contiguous()
+    q = torch.empty(len(qkv), num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    rotary = cos_sin is not None
+    pointers = (qkv, cos_sin if rotary else qkv, slot_mapping, q, k_cache, v_cache)
+    _launch(
+        _rotary_store_kernel,
+        (len(qkv),),
+        (*pointers, qkv.stride(0), *k_cache.stride()[:3]),
+        4,
+        BLOCK_SIZE=k_cache.shape[1],
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        ROW_PAD=_pow2((num_heads + 2 * num_kv_heads) * head_dim),
+        ROTARY=rotary,
+        enable_fp_fusion=False,
+    )
+    return q

@@ -201,6 +201,32 @@ def test_linear(lead, n, k, bias, dtype):
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotate", [True, False], ids=["rotary", "no-rotary"])
+@pytest.mark.parametrize("layout", ["slot-major", "head-major"])
+def test_triton_rotary_store_is_the_ops_it_replaces(layout, rotate, dtype):
+    """One launch rotates q and k and stores k and v: q, and both caches afterwards, equal
+    torch_rotary then store_kv bit for bit (not close: rotary is elementwise, and the GPU path
+    must stay row-invariant), with 6 query, 2 key and 2 value heads of 80 dims (not a power of
+    two) in rows at a stride wider than their heads. Every other slot keeps its value."""
+    num_tokens, block_size, num_blocks = 7, 4, 9
+    qkv = randn(num_tokens, 11 * 80, dtype=dtype)[:, : 10 * 80]
+    cos_sin = rope_cache(300, 80)[torch.randint(0, 300, (num_tokens,))].to(DEVICE, dtype)
+    cos_sin = cos_sin if rotate else None
+    slot_mapping = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    k_cache, v_cache = (randn(num_blocks, block_size, 2, 80, dtype=dtype) for _ in range(2))
+    if layout == "head-major":
+        k_cache, v_cache = head_major(k_cache), head_major(v_cache)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q_k, v = qkv.view(num_tokens, 10, 80).split((8, 2), dim=1)
+    want_q, k = (kernels.torch_rotary(q_k, cos_sin) if rotate else q_k).split((6, 2), dim=1)
+    kernels.store_kv(k, v, want_k, want_v, slot_mapping)
+    with nan_filled_outputs():
+        q = kernels.triton_rotary_store(qkv, cos_sin, k_cache, v_cache, slot_mapping, 6)
+    assert torch.equal(q, want_q)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
 # --------------------------------------------------------------------------------------------
 # rms_norm (rotary and silu_mul are elementwise: torch serves them on CUDA too)
 # --------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def test_triton_path_generates_the_same_tokens(config, tmp_path, monkeypatch):
 
     expected = generate()
     monkeypatch.setattr(kernels, "FORCE_TRITON", True)
-    calls = {"paged_attention": [], "linear": []}  # the rows of each call
+    calls = {"paged_attention": [], "linear": [], "rotary_store": []}  # each call's rows
 
     def counting(fn, rows):  # records each call's row count, then runs the kernel
         return lambda *a: rows.append(len(a[0])) or fn(*a)
@@ -57,3 +57,4 @@ def test_triton_path_generates_the_same_tokens(config, tmp_path, monkeypatch):
     assert generate(DEVICE) == expected
     assert max(calls["paged_attention"]) >= 3, "no verify-shaped attention call went through Triton"
     assert max(calls["linear"]) >= 3, "no verify-shaped linear went through Triton"
+    assert max(calls["rotary_store"]) >= 3, "no verify-shaped K/V store went through Triton"
