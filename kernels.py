@@ -1,6 +1,7 @@
 # The hot ops of every forward: linear, paged KV store, varlen paged attention, RMSNorm, rotary,
 # SiLU-and-mul. Each has a torch reference (`torch_*`), a Triton kernel (`triton_*`) for GPUs unless
-# elementwise or a copy, and C kernels (`c_*`, cpu_kernels.c) for CPUs where they pay; `pick`
+# elementwise or a copy (rotary and the KV store have one together: a launch, not a dozen ops),
+# and C kernels (`c_*`, cpu_kernels.c) for CPUs where they pay; `pick`
 # chooses by one rule, never Triton for a CPU tensor unless forced (tests). No row's result depends
 # on the rest of the call (DESIGN.md, "Exactness").
 import ctypes
@@ -862,10 +863,10 @@ def triton_rotary_store(qkv, cos_sin, k_cache, v_cache, slot_mapping, num_heads)
     """What attention() does before the attention kernel, in one launch instead of about a dozen
     small torch ops (a decode step on a GPU waits on its launches: on an H200, a bf16 decode step
     of the default model took 0.75-0.8x the time, 317 kernels a step against 617; BENCHMARKS.md,
-    session 35). Rotates this step's q and k heads, side by side in each row
-    of qkv [T, (Hq + 2 Hkv) * D] (cos_sin [T, D], contiguous; None: no rotary), stores k and v at
-    their slots, and returns q [T, Hq, D]: the same bits as torch_rotary then store_kv (fp fusion
-    off, each product rounded where torch rounds it)."""
+    session 35). Rotates this step's q and k heads, side by side in each row of qkv
+    [T, (Hq + 2 Hkv) * D] (cos_sin [T, D], contiguous; None: no rotary), stores k and v at their
+    slots, and returns q [T, Hq, D]: the same bits as torch_rotary then store_kv, its reference
+    (fp fusion off, each product rounded where torch rounds it)."""
     num_kv_heads, head_dim = k_cache.shape[2:]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and qkv.stride(1) == 1
     assert cos_sin is None or cos_sin.is_contiguous()

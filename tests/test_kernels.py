@@ -228,7 +228,7 @@ def test_triton_rotary_store_is_the_ops_it_replaces(layout, rotate, dtype):
 
 
 # --------------------------------------------------------------------------------------------
-# rms_norm (rotary and silu_mul are elementwise: torch serves them on CUDA too)
+# rms_norm (silu_mul is elementwise: torch serves it on CUDA too)
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
