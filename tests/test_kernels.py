@@ -268,6 +268,17 @@ X_AND_W_DTYPES = pytest.mark.parametrize(
 )
 
 
+def quick_compiler(tmp_path, refuse: str = "") -> str:
+    """The system's C compiler at -O0 (after kernels' -O3, so it wins), refusing any command with
+    `refuse` in it as an old GCC refuses a flag it lacks: for tests of which library cpu_kernels()
+    builds and loads, not of its code (a -O3 build takes 10-40 s on a 2-core Zen 3, -O0 a few)."""
+    compiler = tmp_path / "cc"
+    refusal = f'case "$*" in *{refuse}*) exit 1;; esac\n' if refuse else ""
+    compiler.write_text(f'#!/bin/sh\n{refusal}exec {os.environ.get("CC", "cc")} "$@" -O0\n')
+    compiler.chmod(0o755)
+    return str(compiler)
+
+
 def rebuild_cpu_kernels(monkeypatch, isa: str | None = None):
     """The next cpu_kernels() builds (or finds) and loads the library again, for this test's
     environment (and for `isa`, as NANOSPEC_ISA sets it); monkeypatch restores the cached one
@@ -514,6 +525,7 @@ def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", quick_compiler(tmp_path))
     for isa in ("generic", "avx2"):
         monkeypatch.setenv("NANOSPEC_ISA", isa)
         rebuild_cpu_kernels(monkeypatch)
@@ -543,10 +555,7 @@ def test_a_compiler_without_avx512_bf16_builds_avx512(monkeypatch, tmp_path):
     Zen 4 on the torch path."""
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
-    compiler = tmp_path / "cc"  # the system's, refusing the flag as an old GCC does
-    compiler.write_text('#!/bin/sh\ncase "$*" in *avx512bf16*) exit 1;; esac\nexec cc "$@"\n')
-    compiler.chmod(0o755)
-    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("CC", quick_compiler(tmp_path, refuse="avx512bf16"))
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("NANOSPEC_ISA", "avx512bf16")
     rebuild_cpu_kernels(monkeypatch)
