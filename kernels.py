@@ -1,9 +1,9 @@
 # The hot ops of every forward: linear, paged KV store, varlen paged attention, RMSNorm, rotary,
 # SiLU-and-mul. Each has a torch reference (`torch_*`), a Triton kernel (`triton_*`) for GPUs unless
 # elementwise or a copy (rotary and the KV store have one together: a launch, not a dozen ops),
-# and C kernels (`c_*`, cpu_kernels.c) for CPUs where they pay; `pick`
-# chooses by one rule, never Triton for a CPU tensor unless forced (tests). No row's result depends
-# on the rest of the call (DESIGN.md, "Exactness").
+# and C kernels (`c_*`, cpu_kernels.c) for CPUs where they pay; `pick` chooses by one rule, never
+# Triton for a CPU tensor unless forced (tests). No row's result depends on the rest of the call
+# (DESIGN.md, "Exactness").
 import ctypes
 import functools
 import hashlib
