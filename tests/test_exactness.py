@@ -13,7 +13,7 @@ from test_kernels import DEVICE, X_AND_W_DTYPES, make_paged_batch, rebuild_cpu_k
 
 import kernels
 
-ROW_COUNTS = [1, 2, 3, 5, 9, 13, 16, 17, 33, 300]  # (16: AVX-512's largest row block)
+ROW_COUNTS = [1, 2, 3, 5, 7, 9, 13, 16, 17, 33, 300]  # (16: AVX-512's largest row block)
 ISAS = ["amx", "avx512bf16", "avx512", "avx2", "generic"]
 
 
