@@ -534,10 +534,12 @@ def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
         assert kernels.cpu_isa() == isa and len(list(tmp_path.glob(f"cpu_kernels-{isa}-*.so"))) == 1
 
 
-def test_amx_refused_by_linux_runs_the_avx512bf16_build(monkeypatch):
+def test_amx_refused_by_linux_runs_the_avx512bf16_build(monkeypatch, tmp_path):
     """Where Linux gives no AMX tile state (kernels.amx_permitted: kernels before 5.16), the amx
     build would die at its first tile instruction: cpu_kernels() warns and builds the one below,
     AVX512-BF16's (every AMX Xeon has it), and the run's summary names it."""
+    monkeypatch.setenv("CC", quick_compiler(tmp_path))  # (which build loads, not its code)
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("NANOSPEC_ISA", "amx")
     monkeypatch.setattr(kernels, "amx_permitted", lambda: False)
     rebuild_cpu_kernels(monkeypatch)
