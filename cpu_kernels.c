@@ -140,10 +140,10 @@ static inline vf exp_vf(vf x) {
 // A verify step of 7-18 rows on AVX2 goes in near-equal blocks (7 = 4 + 3, 8 = 4 + 4, 9 = 5 + 4,
 // 13 = 5 + 5 + 3), not 6 + 1, 6 + 2, 6 + 3: a block of R rows has 2R chains, each taking a FMA
 // every 4 cycles, so below 4 rows a block waits on the latency (6 + 3: 12 + 8 cycles a pair of k
-// where 5 + 4 takes 10 + 8, the FMA ports' own limit). Measured on a Zen 3 (one thread's panels of
-// 3072 x 576 from DRAM, best of 6 taking turns with the 6 + n build): 7 rows 0.88x the time, 8
-// rows 0.94x, 9 rows 0.85x (BENCHMARKS.md, session 36). AVX-512 (17-18 rows: 6 + 6 + 5 or 6) and
-// SSE (blocks of 2) split as before.
+// where 5 + 4 takes 10 + 8, the FMA ports' own limit). Measured on a Zen 3 (2 threads, each
+// through 3,000 panels of K=576 from DRAM, best of 6 taking turns with the 6 + n build): 7 rows
+// 0.88x the time, 8 rows 0.94x, 9 rows 0.85x; T=7-9 forwards 0.92-0.98x (BENCHMARKS.md, session
+// 36). AVX-512 (17-18 rows: 6 + 6 + 5 or 6) and SSE (blocks of 2) split as before.
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
 // the most rows one block can have (a tile's accumulators)
 #define MAX_BLOCK (LANES == 16 ? 16 : MAX_ROWS)
