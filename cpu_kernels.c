@@ -388,9 +388,10 @@ static inline vf silu_mul_vf(const char *p, int64_t half, int type) {
 // or fp16 weights: kernels.c_linear decides); fp32 x is split into halves, x_hi rows first. W
 // packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32 or bf16 (y_bf16).
 // scratch: K * 32 floats a thread, after M * K for x's copy (up to 18 rows, or AMX's halves:
-// kernels.c_linear).
-void linear(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int K,
-            int x_bf16, int amx, int wt, int y_bf16, float *scratch, int threads, int gated) {
+// kernels.c_linear). What changes from call to call comes first, the layer's own after it
+// (kernels.c_linear works those out once a layer).
+void linear(const void *x, void *y, int64_t M, float *scratch, int threads, const void *w,
+            const void *bias, int N, int K, int x_bf16, int amx, int wt, int y_bf16, int gated) {
     int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL, vectors = (K + LANES - 1) / LANES;
     if (M == 0) return;  // (no tile shape has 0 rows)
     // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x
@@ -503,7 +504,8 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
 // A tree node (tree_pos set, one query per item) reads logical keys 0..tree_pos[t], the last
 // tree_width of them from the physical positions in its tree_keys row. q and out are fp32 or bf16;
 // the caches are q's dtype, or fp16 under fp32 queries (--dtype auto: half the bytes a long
-// context reads).
+// context reads). The arguments up to scale are a layer's own; from cos_sin on they are the
+// same in every layer of a step (kernels.c_paged_attention works them out once a step).
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define QUERY_BLOCK 8
@@ -628,14 +630,14 @@ static inline int keys_seen(int t, const int64_t *query_start_loc, const int64_t
     return tree_pos ? (int)tree_pos[t] + 1 : (int)(seq_lens[*b] - query_start_loc[*b + 1]) + t + 1;
 }
 
-void paged_attention(void *q, void *k_cache, void *v_cache, const int64_t *block_tables,
-                     const int64_t *seq_lens, const int64_t *query_start_loc, void *out,
-                     int num_seqs, int max_blocks, int num_heads, int num_kv_heads, int head_dim,
-                     int block_size, float scale, int is_bf16, int kv_type, int threads,
-                     const int64_t *tree_pos, const int64_t *tree_keys, int tree_width,
-                     int64_t q_stride, const void *cos_sin, const int64_t *slot_mapping,
-                     float *partial, int segment_keys, int64_t block_stride, int64_t slot_stride,
-                     int64_t head_stride) {
+void paged_attention(void *q, void *k_cache, void *v_cache, void *out, float *partial,
+                     float scale, const void *cos_sin, int64_t q_stride,
+                     const int64_t *block_tables, const int64_t *seq_lens,
+                     const int64_t *query_start_loc, const int64_t *slot_mapping, int num_seqs,
+                     int max_blocks, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                     int is_bf16, int kv_type, int threads, const int64_t *tree_pos,
+                     const int64_t *tree_keys, int tree_width, int segment_keys,
+                     int64_t block_stride, int64_t slot_stride, int64_t head_stride) {
     int num_tokens = (int)query_start_loc[num_seqs], group = num_heads / num_kv_heads;
     const int64_t stride[3] = {block_stride, slot_stride, head_stride};  // the caches', in elements
     // Where slot_mapping is given, each row of q holds this step's query heads, then its key and

@@ -40,6 +40,9 @@ class AttentionContext:
     # "Exactness").
     tree_pos: torch.Tensor | None = None
     tree_keys: torch.Tensor | None = None
+    # On a CPU: cpu_kernels.c's attention arguments that every layer of the step shares, worked
+    # out by its first layer's call (c_paged_attention)
+    c_args: tuple | None = None
 
 
 context: AttentionContext | None = None
@@ -192,10 +195,11 @@ def cpu_kernels(isa: str | None = None):
     lib = ctypes.CDLL(str(library))
     lib.isa, lib.f16c = isa, isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.linear.argtypes = [ptr] * 4 + [i64] + [i32] * 6 + [ptr, i32, i32]
-    lib.paged_attention.argtypes = [ptr] * 7 + [i32] * 6 + [f32] + [i32] * 3 + [ptr, ptr, i32]
-    lib.paged_attention.argtypes += [i64, ptr, ptr]  # q's row stride; rotary's and store_kv's
-    lib.paged_attention.argtypes += [ptr, i32, i64, i64, i64]  # per-segment sums; cache strides
+    # (each call's arguments first, then a layer's own or a step's: c_linear, c_paged_attention)
+    lib.linear.argtypes = [ptr, ptr, i64, ptr, i32, ptr, ptr] + [i32] * 7
+    # q, the caches, out, the per-segment sums, the scale; rotary's cos/sin, q's row stride
+    lib.paged_attention.argtypes = [ptr] * 5 + [f32, ptr, i64]
+    lib.paged_attention.argtypes += [ptr] * 4 + [i32] * 9 + [ptr, ptr] + [i32] * 2 + [i64] * 3
     lib.rms_norm.argtypes = [ptr] * 5 + [i32, i32, f32, i32]
     return lib
 
@@ -217,7 +221,7 @@ C_DTYPES = (torch.float32, torch.bfloat16)
 def pick(x: torch.Tensor, triton_fn, c_fn, torch_fn):
     if x.is_cuda or FORCE_TRITON:
         return triton_fn
-    c_fits = c_fn is not None and x.device.type == "cpu" and x.dtype in C_DTYPES
+    c_fits = c_fn is not None and x.is_cpu and x.dtype in C_DTYPES
     return c_fn if c_fits and cpu_kernels() is not None else torch_fn
 
 
@@ -235,6 +239,8 @@ def attention(qkv, cos_sin, k_cache, v_cache, scale):
     [T, Hq * D], the o projection's input. qkv is the layer's own: the C kernel rotates q and k in
     it, in place."""
     assert context is not None, "attention called outside an engine step (no AttentionContext set)"
+    if context.c_args is not None:  # a later layer of a step on the C kernel: no choice to make
+        return c_paged_attention(qkv, k_cache, v_cache, scale, context, True, cos_sin)
     num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
     # the cache in q's dtype, or fp16 under fp32 queries (kv_cache_dtype)
@@ -259,15 +265,6 @@ def attention(qkv, cos_sin, k_cache, v_cache, scale):
     return fn(q, k_cache, v_cache, scale, context).flatten(1)
 
 
-def linear(x, layer: "Linear"):
-    """y = x W^T + b, row-invariant. The C kernel reads the weight as packed panels
-    (Linear.packed)."""
-    if layer.packed is not None:  # packed at load time, where pick() chose the C kernels
-        return c_linear(x, layer.packed, layer.bias, layer.out_features)
-    # not cuBLAS: picks by M
-    return pick(x, triton_linear, None, torch_linear)(x, layer.weight, layer.bias)
-
-
 # ---------------------------------------------------------------------------------------------
 # Linear layers. Models are built from plain nn.Linear; load_model swaps each for a Linear, which
 # on a CPU with the C kernels holds its weight packed once at load time for the weight-streaming
@@ -276,13 +273,21 @@ class Linear(nn.Module):
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
     ):
+        """weight: as the model holds it (the rows come in its dtype); packed: pack_weight's
+        panels of it, where the C kernels run it, or None."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = None if packed is not None else weight
         self.bias, self.packed = bias, packed
+        # how c_linear calls the C kernel, worked out once: what never changes between calls
+        self.c_args = None if packed is None else linear_args(weight.dtype, self)
 
     def forward(self, x):
-        return linear(x, self)
+        """y = x W^T + b, row-invariant. The C kernel reads the weight as packed panels."""
+        if self.packed is not None:  # packed at load time, where pick() chose the C kernels
+            return c_linear(x, self)
+        # not cuBLAS: picks by M
+        return pick(x, triton_linear, None, torch_linear)(x, self.weight, self.bias)
 
     # Called ~120 times a decode step: straight to forward, past nn.Module's hook dispatch (nanospec
     # registers no hooks). With models/llama.py's modules doing the same: 0.36 ms of a 14 ms avx2
@@ -361,47 +366,57 @@ def silu_mul_linear(x, layer: "Linear"):
     fused against unfused, default model, context 100: T=1 17.3 -> 15.9 ms, T=9 27.3 -> 25.8
     on avx2; T=1 -4%, T=5 and T=9 -7 to -8%, prefill -8% on AMX (BENCHMARKS.md, session 23)."""
     if layer.packed is not None and x.shape[-1] % 32 == 0:
-        return c_linear(x, layer.packed, layer.bias, layer.out_features, gated=True)
-    return linear(silu_mul(x), layer)
+        return c_linear(x, layer, gated=True)
+    return layer(silu_mul(x))
 
 
-def c_linear(x, packed, bias, out_features, gated=False):
-    """cpu_kernels.c's linear: each output one fixed fp32 chain over k, the weights streamed once
-    per call. (A decode step makes ~120 of these calls, so the wrapper does only what the kernel
-    needs: each tensor op here, even a view, costs about a microsecond a call.)"""
-    lib, rows = cpu_kernels(), x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    # AMX, wherever K (padded) is a multiple of 32, takes bf16 rows over bf16 weights as they are,
-    # and fp32 rows over fp16 weights, which it splits itself (cpu_kernels.c, "Intel AMX"); the
-    # avx512bf16 build's dot product takes bf16 over bf16 at any K. The FMA path takes fp32 rows,
-    # widened here once (exactly), so that the kernel's broadcast of x[m, k] is a single load. All
-    # walk k in pairs: an odd K gets a zero column (its weights are zero-padded too).
-    w_type, amx = C_TYPES[packed.dtype], lib.isa == "amx" and packed.shape[1] % 16 == 0
-    assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
-    x_bf16 = (amx or lib.isa == "avx512bf16") and w_type == 1 and rows.dtype == torch.bfloat16
-    if not x_bf16 and rows.dtype != torch.float32:  # (bf16 rows there: gated as torch gates them)
+def c_linear(x, layer: Linear, gated=False):
+    """cpu_kernels.c's linear over a packed Linear: each output one fixed fp32 chain over k, the
+    weights streamed once per call. (A decode step makes ~120 of these calls, and every torch op
+    or attribute read here costs about a microsecond, more right after a linear has streamed its
+    weights through the caches. So what never changes between calls was worked out when the layer
+    was built, linear_args: with the same for attention, a T=1 step of the default model took
+    0.95x the time on a Zen 3; BENCHMARKS.md, session 37.)"""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    lib, dtype, widen, pad, fixed = layer.c_args
+    assert rows.dtype == dtype, f"{rows.dtype} rows for a linear built for {dtype}"
+    if widen:  # (bf16 rows where the kernel takes fp32: gated as torch gates them)
         rows, gated = (silu_mul(rows) if gated else rows).float(), False
-    if rows.shape[1] % 2:
+    if pad:
         rows = F.pad(rows, (0, 1))
     elif not rows.is_contiguous():
         rows = rows.contiguous()
-    num_rows, threads = rows.shape[0], torch.get_num_threads()
-    in_features = rows.shape[1] // (1 + gated)
-    out = torch.empty(num_rows, out_features, dtype=x.dtype)
+    num_rows, threads, in_features = rows.shape[0], torch.get_num_threads(), fixed[3]
+    out = torch.empty(num_rows, layer.out_features, dtype=x.dtype)
     # Room for x interleaved by row blocks (fp16 weights, up to 18 rows), gated (every M) or split
     # in two bf16 halves (AMX over fp16 weights), then per thread: a panel of 16-bit weights
-    # widened to fp32 for prefill, or a panel pair's weights split (cpu_kernels.c). (No room for x
-    # past 18 rows but those: a 2048-token chunk of a wide model's x would be 100 MB; gated rows
-    # take the [M, I] that torch's silu_mul allocated anyway.)
-    blocked, split = w_type and not x_bf16 and num_rows > 6, amx and w_type == 2
-    scratch = num_rows * in_features * (num_rows <= 18 or split or gated)
-    scratch += threads * in_features * 32 if blocked or split else 0
-    scratch = cpu_scratch(scratch).data_ptr()
-    bias = None if bias is None else bias.data_ptr()
-    tiles = split or (amx and x_bf16)  # AMX's tiles: fp32 x over fp16 weights, or bf16 over bf16
-    dtypes = (x_bf16, tiles, w_type, x.dtype == torch.bfloat16)
-    args = (rows.data_ptr(), packed.data_ptr(), bias, out.data_ptr(), num_rows, out_features)
-    lib.linear(*args, in_features, *dtypes, scratch, threads, gated)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+    # widened to fp32 for prefill, or a panel pair's weights split (cpu_kernels.c). One size
+    # serves every case: the pages a call never touches are never mapped in (a 2048-token chunk
+    # of a wide model's x would be 100 MB, but only gated or split rows are copied past 18).
+    scratch = cpu_scratch(in_features * (num_rows + 32 * threads)).data_ptr()
+    lib.linear(rows.data_ptr(), out.data_ptr(), num_rows, scratch, threads, *fixed, gated)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.out_features)
+
+
+def linear_args(dtype: torch.dtype, layer: Linear) -> tuple:
+    """How c_linear calls the C kernel for this layer's rows of `dtype`, on the build it was
+    packed for: (the build, dtype, widen: the rows go as fp32, widened by torch; pad: with a zero
+    column; the kernel's arguments after the call's own, but gated)."""
+    lib, packed = cpu_kernels(), layer.packed
+    # AMX, wherever K (padded) is a multiple of 32, takes bf16 rows over bf16 weights as they are,
+    # and fp32 rows over fp16 weights, which it splits itself (cpu_kernels.c, "Intel AMX"); the
+    # avx512bf16 build's dot product takes bf16 over bf16 at any K. The FMA path takes fp32 rows,
+    # widened once per call (exactly), so that the kernel's broadcast of x[m, k] is a single load.
+    # All walk k in pairs: an odd K gets a zero column (its weights are zero-padded too).
+    w_type, amx = C_TYPES[packed.dtype], lib.isa == "amx" and packed.shape[1] % 16 == 0
+    assert w_type != 2 or lib.f16c, "fp16 weights need F16C (this build is generic)"
+    x_bf16 = (amx or lib.isa == "avx512bf16") and w_type == 1 and dtype == torch.bfloat16
+    # AMX's tiles: fp32 x over fp16 weights (split in bf16 halves), or bf16 over bf16
+    tiles = amx and (w_type == 2 or x_bf16)
+    bias = None if layer.bias is None else layer.bias.data_ptr()
+    weights = (packed.data_ptr(), bias, layer.out_features, 2 * packed.shape[1])  # K padded
+    fixed = (*weights, x_bf16, tiles, w_type, dtype == torch.bfloat16)
+    return lib, dtype, not x_bf16 and dtype != torch.float32, layer.in_features % 2, fixed
 
 
 _scratch = torch.empty(0)
@@ -461,38 +476,52 @@ def c_paged_attention(q, k_cache, v_cache, scale, ctx: AttentionContext, fused=F
     attention() takes, a layer's qkv [T, (Hq + 2 Hkv) * D] at any row stride: the kernel first
     does what attention() does before the other kernels (rotary where cos_sin is given, of q and k
     in place in qkv's rows; store_kv), and returns [T, Hq * D]."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if q.stride(-1) != 1 or (not fused and q.stride(1) != head_dim):  # rows at any row stride
+    if q.stride(-1) != 1 or not (fused or q.stride(1) == k_cache.shape[3]):  # rows at any stride
         q = q.contiguous()
+    # Fused, as the engine calls it, what every layer of the step shares is worked out by its
+    # first layer and kept on the step's context: a decode step makes 30 calls (unfused, tests
+    # call with other caches over one context).
+    step = ctx.c_args if fused else None
+    if step is None:
+        step = attention_args(q, k_cache, v_cache, cos_sin, ctx, fused)
+        ctx.c_args = step if fused else None
+    out_shape, partial_floats, args, _ = step
+    out = torch.empty(out_shape, dtype=q.dtype)
+    tensors = [t.data_ptr() for t in (q, k_cache, v_cache, out, cpu_scratch(partial_floats))]
+    cpu_kernels().paged_attention(*tensors, scale, *args)
+    return out
+
+
+def attention_args(q, k_cache, v_cache, cos_sin, ctx: AttentionContext, fused: bool) -> tuple:
+    """What c_paged_attention passes that is the same in every layer of a step: (out's shape, the
+    floats of the partial sums, the kernel's arguments after scale, the tensors they point into).
+    Every layer of a step rotates at the same positions (cos_sin) and has its qkv rows at the
+    same stride."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_tokens, strides = q.shape[0], k_cache.stride()
+    num_heads = q.shape[1] // head_dim - 2 * num_kv_heads if fused else q.shape[1]
+    assert strides == v_cache.stride() and strides[3] == 1
+    # (the kernel reads int64 and contiguous tensors: torch.tensor's, which these are, returned)
     tables, seq_lens, starts = (
         t.long().contiguous() for t in (ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)
     )
-    num_tokens = q.shape[0]
-    num_heads = q.shape[1] // head_dim - 2 * num_kv_heads if fused else q.shape[1]
-    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
-    strides = k_cache.stride()
-    assert strides == v_cache.stride() and strides[3] == 1
+    tree = [t.long().contiguous() for t in (ctx.tree_pos, ctx.tree_keys) if t is not None]
+    cos_sin = None if cos_sin is None else cos_sin.contiguous()
     # Keys in segments of ATTENTION_SEGMENT positions, each summed on its own, then merged in
     # order: a decode step's few queries still make an item for every thread (cpu_kernels.c). The
     # scratch holds their partial sums.
     segments = -(-tables.shape[1] * block_size // ATTENTION_SEGMENT)
-    partial = cpu_scratch(num_tokens * num_heads * segments * (head_dim + 2)).data_ptr()
-    tree, tree_args = (), (None, None, 0)
-    if ctx.tree_pos is not None:  # (tree holds the tensors while the kernel runs)
-        tree = [t.long().contiguous() for t in (ctx.tree_pos, ctx.tree_keys)]
-        tree_args = (tree[0].data_ptr(), tree[1].data_ptr(), tree[1].shape[1])
+    partial_floats = num_tokens * num_heads * segments * (head_dim + 2)
     # cpu_kernels.c's arguments, in its order
-    args = [t.data_ptr() for t in (q, k_cache, v_cache, tables, seq_lens, starts, out)]
-    args += [seq_lens.shape[0], tables.shape[1], num_heads, num_kv_heads, head_dim, block_size]
-    args += [scale, q.dtype == torch.bfloat16, C_TYPES[k_cache.dtype], torch.get_num_threads()]
-    new_args = (None, None)
-    if fused:
-        cos_sin = None if cos_sin is None else cos_sin.contiguous()  # (held through the call)
-        new_args = (None if cos_sin is None else cos_sin.data_ptr(), ctx.slot_mapping.data_ptr())
-    cpu_kernels().paged_attention(
-        *args, *tree_args, q.stride(0), *new_args, partial, ATTENTION_SEGMENT, *strides[:3]
-    )
-    return out if fused else out.view(num_tokens, num_heads, head_dim)
+    args = [None if cos_sin is None else cos_sin.data_ptr(), q.stride(0)]
+    args += [t.data_ptr() for t in (tables, seq_lens, starts)]
+    args += [ctx.slot_mapping.data_ptr() if fused else None, seq_lens.shape[0], tables.shape[1]]
+    args += [num_heads, num_kv_heads, head_dim, block_size, q.dtype == torch.bfloat16]
+    args += [C_TYPES[k_cache.dtype], torch.get_num_threads()]
+    args += [t.data_ptr() for t in tree] + [tree[1].shape[1]] if tree else [None, None, 0]
+    args += [ATTENTION_SEGMENT, *strides[:3]]
+    out_shape = (num_tokens, num_heads * head_dim) if fused else (num_tokens, num_heads, head_dim)
+    return out_shape, partial_floats, args, (tables, seq_lens, starts, tree, cos_sin)
 
 
 # Keys a segment sums; a multiple of every build's LANES. The partial sums take T * Hq * segments *

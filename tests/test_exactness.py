@@ -47,10 +47,8 @@ def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     if w_dtype == torch.float16 and c_isa == "generic":
         pytest.skip("fp16 weights need F16C, which the generic build does not assume")
     weight, bias = (0.05 * torch.randn(n, k)).to(w_dtype), torch.randn(n).to(x_dtype)
-    packed = kernels.pack_weight(weight)
-    assert_rows_invariant(
-        lambda x: kernels.c_linear(x, packed, bias, n), torch.randn(300, k).to(x_dtype)
-    )
+    layer = kernels.Linear(weight.to(x_dtype), bias, kernels.pack_weight(weight))
+    assert_rows_invariant(lambda x: kernels.c_linear(x, layer), torch.randn(300, k).to(x_dtype))
 
 
 def test_c_linear_rows_stay_invariant_under_a_compiler_that_splits_fma_chains(
@@ -73,9 +71,9 @@ def test_c_linear_rows_stay_invariant_under_a_compiler_that_splits_fma_chains(
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     for w_dtype in (torch.float32, torch.bfloat16):
         weight = (0.05 * torch.randn(96, 576)).to(w_dtype)
-        packed = kernels.pack_weight(weight)
+        layer = kernels.Linear(weight.float(), None, kernels.pack_weight(weight))
         assert_rows_invariant(
-            lambda x, packed=packed: kernels.c_linear(x, packed, None, 96), torch.randn(300, 576)
+            lambda x, layer=layer: kernels.c_linear(x, layer), torch.randn(300, 576)
         )
 
 
@@ -91,11 +89,11 @@ def test_the_gated_c_linear_rows_are_invariant(c_isa, k, x_dtype, w_dtype):
     torch.manual_seed(0)  # (bf16's tolerance: an ulp of silu's output apart, now and then)
     weight, bias = (0.05 * torch.randn(40, k)).to(w_dtype), torch.randn(40).to(x_dtype)
     layer, x = (
-        kernels.Linear(weight, bias, kernels.pack_weight(weight)),
+        kernels.Linear(weight.to(x_dtype), bias, kernels.pack_weight(weight)),
         (3 * torch.randn(300, 2 * k)).to(x_dtype),
     )
     assert_rows_invariant(lambda x: kernels.silu_mul_linear(x, layer), x)
-    expected = kernels.c_linear(kernels.silu_mul(x), layer.packed, layer.bias, 40)
+    expected = kernels.c_linear(kernels.silu_mul(x), layer)
     got = kernels.silu_mul_linear(x, layer)
     close = dict(atol=1e-4, rtol=1e-5) if x_dtype == torch.float32 else dict(atol=0.25, rtol=2e-2)
     torch.testing.assert_close(got, expected.to(got.dtype), **close)
@@ -113,20 +111,20 @@ def test_the_bf16_dot_product_is_its_documented_chain(monkeypatch):
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
     x, weight = torch.randn(5, 256).bfloat16(), (0.1 * torch.randn(32, 256)).bfloat16()
     packed, y = kernels.pack_weight(weight), torch.empty(5, 32)  # y in fp32: the chain's own bits
-    pointers = (x.data_ptr(), packed.data_ptr(), None, y.data_ptr())
-    kernels.cpu_kernels().linear(
-        *pointers, 5, 32, 256, 1, 0, 1, 0, kernels.cpu_scratch(1).data_ptr(), 2, 0
-    )
+    call = (x.data_ptr(), y.data_ptr(), 5, kernels.cpu_scratch(1).data_ptr(), 2)
+    kernels.cpu_kernels().linear(*call, packed.data_ptr(), None, 32, 256, 1, 0, 1, 0, 0)
     want, xf, wf = torch.zeros(5, 32), x.float(), weight.float()
     for k in range(0, 256, 2):
         want = (want + xf[:, k + 1, None] * wf[:, k + 1]) + xf[:, k, None] * wf[:, k]
     assert torch.equal(y, want)
     x, weight = torch.zeros(1, 2).bfloat16(), torch.zeros(16, 2).bfloat16()
     x[0, 0], weight[:, 0] = 1e-39, 1e30  # a bf16 denormal, and a product of 1e-9
-    assert kernels.c_linear(x, kernels.pack_weight(weight), None, 16).abs().max() == 0
+    layer = kernels.Linear(weight, None, kernels.pack_weight(weight))
+    assert kernels.c_linear(x, layer).abs().max() == 0
     monkeypatch.setenv("NANOSPEC_ISA", "avx512")
-    kernels.cpu_kernels.cache_clear()
-    assert kernels.c_linear(x, kernels.pack_weight(weight), None, 16).float().min() > 9e-10
+    kernels.cpu_kernels.cache_clear()  # (a Linear runs on the build it was packed for)
+    layer = kernels.Linear(weight, None, kernels.pack_weight(weight))
+    assert kernels.c_linear(x, layer).float().min() > 9e-10
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

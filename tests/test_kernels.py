@@ -420,7 +420,8 @@ def test_c_linear_matches_f_linear(rows, n, k, bias, x_dtype, w_dtype):
     b = torch.randn(n).to(x_dtype) if bias else None
     x = torch.randn(rows, k).to(x_dtype)
     with nan_filled_outputs():
-        got = kernels.c_linear(x, kernels.pack_weight(weight), b, n)
+        layer = kernels.Linear(weight.to(x_dtype), b, kernels.pack_weight(weight))
+        got = kernels.c_linear(x, layer)
     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
     fp16_w = w_dtype == torch.float16
     tolerance = dict(atol=2e-4, rtol=2e-4) if fp16_w else TOLERANCE[x_dtype]
