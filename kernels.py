@@ -375,8 +375,8 @@ def c_linear(x, layer: Linear, gated=False):
     weights streamed once per call. (A decode step makes ~120 of these calls, and every torch op
     or attribute read here costs about a microsecond, more right after a linear has streamed its
     weights through the caches. So what never changes between calls was worked out when the layer
-    was built, linear_args: with the same for attention, a T=1 step of the default model took
-    0.95x the time on a Zen 3; BENCHMARKS.md, session 37.)"""
+    was built, linear_args: with the same for attention, a T=1 forward of the default model took
+    0.91x the time on a Zen 3; BENCHMARKS.md, session 37.)"""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     lib, dtype, widen, pad, fixed = layer.c_args
     assert rows.dtype == dtype, f"{rows.dtype} rows for a linear built for {dtype}"
@@ -501,7 +501,7 @@ def attention_args(q, k_cache, v_cache, cos_sin, ctx: AttentionContext, fused: b
     num_tokens, strides = q.shape[0], k_cache.stride()
     num_heads = q.shape[1] // head_dim - 2 * num_kv_heads if fused else q.shape[1]
     assert strides == v_cache.stride() and strides[3] == 1
-    # (the kernel reads int64 and contiguous tensors: torch.tensor's, which these are, returned)
+    # (the kernel reads int64 and contiguous: the engine's tables are, and come back as they are)
     tables, seq_lens, starts = (
         t.long().contiguous() for t in (ctx.block_tables, ctx.seq_lens, ctx.query_start_loc)
     )
