@@ -429,6 +429,17 @@ def test_c_linear_matches_f_linear(rows, n, k, bias, x_dtype, w_dtype):
 
 
 @needs_c_kernels
+def test_a_c_linear_refuses_rows_of_another_dtype():
+    """A Linear works out its C call for its model's dtype when it is built (linear_args): rows of
+    another dtype would be read as the wrong type, so they are an error, not wrong numbers."""
+    weight = torch.randn(16, 32)
+    layer = kernels.Linear(weight, None, kernels.pack_weight(weight, torch.bfloat16))
+    assert layer(torch.ones(2, 32)).shape == (2, 16)
+    with pytest.raises(AssertionError, match="torch.bfloat16 rows for a linear built for"):
+        layer(torch.ones(2, 32, dtype=torch.bfloat16))
+
+
+@needs_c_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("shape", [(1, 576), (7, 100), (2, 3, 48), (300, 64), (0, 32)])
