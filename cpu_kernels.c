@@ -425,19 +425,18 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
         for (int64_t i = 0; i < (interleaved ? vectors : copied_rows); i++)
             for (int64_t j = 0; j < (interleaved ? copied_rows : vectors); j++) {
                 int64_t m = interleaved ? j : i, k0 = (interleaved ? i : j) * LANES;
-                // fp32 rows for fp16 weights, the common case, in a loop of their own: the
-                // general one below took 4 times as long (5 us of a call at M=9, session 38)
-                for (int64_t k = k0; interleaved && !gated && k < k0 + LANES && k < K; k++)
-                    scratch[k * M + m] = ((const float *)x)[m * K + k];
-                if (interleaved && !gated) continue;
                 const char *gate = (const char *)x + (m * 2 * K + k0) * elem;  // (gated rows)
                 vf v = gated ? silu_mul_vf(gate, K * elem, x_bf16) : (vf){};
-                for (int64_t k = k0; k < k0 + LANES && k < K; k++) {
+                // fp32 rows for fp16 weights, the common case, in a loop of their own: the
+                // general one below took 4 times as long (5 us of a call at M=9, session 38)
+                for (int64_t k = k0; interleaved && k < k0 + LANES && k < K; k++)
+                    scratch[k * M + m] = gated ? v[k - k0] : ((const float *)x)[m * K + k];
+                for (int64_t k = k0; !interleaved && k < k0 + LANES && k < K; k++) {
                     // x_hi (rounded as torch rounds), x_lo
                     bf16 *half = (bf16 *)scratch + m * K + k;
                     float value = gated ? v[k - k0] : ((const float *)x)[m * K + k];
                     if (!x_bf16 && !amx)
-                        scratch[interleaved ? k * M + m : m * K + k] = value;
+                        scratch[m * K + k] = value;
                     else  // gated rows for bf16 tiles (AMX's or the dot product's), or AMX's x_hi
                         half[0] = to_bf16(value);
                     if (amx && !x_bf16) half[M * K] = to_bf16(value - to_f32(half[0]));  // x_lo
