@@ -157,7 +157,7 @@ static inline vf exp_vf(vf x) {
 // GB/s from DRAM unchanged, so the gain is in the work around the linears (session 28).
 #define AHEAD 32
 // A verify step of 7-18 rows in 2-3 row blocks of 6 (17-18 on AVX-512) walks each panel in chunks
-// of CHUNK pairs of k (1 KB of fp16 weights), every row block through a chunk before the next
+// of CHUNK pairs of k (4 KB of fp16 weights), every row block through a chunk before the next
 // chunk, the blocks' accumulators kept in `sums` between chunks. The second block's pass then reads
 // the chunk from L1 while the first block's prefetches keep the memory stream going; with each
 // block walking the whole panel, memory sat idle while the later blocks re-read it from cache. A
@@ -167,8 +167,12 @@ static inline vf exp_vf(vf x) {
 // ahead than the first (AHEAD + CHUNK pairs), so that memory streams through their passes too: the
 // first block's prefetches then find the next chunk on its way (30 matrices of 3072 x 576 at M=9,
 // from DRAM, paired over 20-30 rounds beside an identical control build: 2.2% faster on avx2, 2.1%
-// on avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26).
-#define CHUNK 16
+// on avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26). Chunks of 64 pairs, not 16: on
+// a Zen 3 (avx2, native; the linears of the default model taking turns with 16 in one process, 12
+// rounds) 7-9 rows took 0.89-0.93x the time, 13 and 18 rows 0.95x, T=9 forwards 0.91-0.97x; 32
+// and 128 pairs were slower than 64. Each chunk's restart (the sums stored and reloaded, the
+// loop's ramp) then comes a quarter as often (BENCHMARKS.md, session 38).
+#define CHUNK 64
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
 

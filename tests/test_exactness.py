@@ -41,7 +41,7 @@ def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
 @pytest.mark.parametrize("n,k", [(576, 576), (96, 1536), (37, 21), (40, 64), (24, 100)])
 def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     """Every M walks the same chain: decode's 1 row, verify's few (one pass over the weights; from
-    7 rows, 17 on AVX-512, row blocks that take turns a chunk of k at a time, K=100 ending in a
+    7 rows, 17 on AVX-512, row blocks that take turns a chunk of k at a time, K=576 ending in a
     short chunk), prefill's many (each panel of 16-bit weights widened once; on AMX, tiles of up to
     16 rows over weights split into bf16 halves)."""
     if w_dtype == torch.float16 and c_isa == "generic":
@@ -78,7 +78,8 @@ def test_c_linear_rows_stay_invariant_under_a_compiler_that_splits_fma_chains(
 
 
 @X_AND_W_DTYPES
-@pytest.mark.parametrize("k", [1536, 48])  # the default model's; one that ends in a short chunk
+# the default model's K; one that ends in a short chunk (88 pairs of k: 64 + 24)
+@pytest.mark.parametrize("k", [1536, 176])
 def test_the_gated_c_linear_rows_are_invariant(c_isa, k, x_dtype, w_dtype):
     """The MLP's down projection gates its own rows (silu(gate) * up as the kernel copies them) at
     every M, prefill's included: one formula for a row however many the call has (N=40: a partial
