@@ -168,10 +168,10 @@ static inline vf exp_vf(vf x) {
 // first block's prefetches then find the next chunk on its way (30 matrices of 3072 x 576 at M=9,
 // from DRAM, paired over 20-30 rounds beside an identical control build: 2.2% faster on avx2, 2.1%
 // on avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26). Chunks of 64 pairs, not 16: on
-// a Zen 3 (avx2, native; the linears of the default model taking turns with 16 in one process, 12
-// rounds) 7-9 rows took 0.89-0.93x the time, 13 and 18 rows 0.95x, T=9 forwards 0.91-0.97x; 32
-// and 128 pairs were slower than 64. Each chunk's restart (the sums stored and reloaded, the
-// loop's ramp) then comes a quarter as often (BENCHMARKS.md, session 38).
+// a Zen 3 (avx2, native), the default model's linears at 7-13 rows took 0.93-0.94x the time, T=9
+// forwards 0.93x, 5 rows (no chunks) 1.00x (taking turns with 16 every call, 150 pairs); 32 and
+// 128 pairs of k were slower than 64. Each chunk's restart (the sums stored and reloaded, the
+// loop's ramp) comes a quarter as often (BENCHMARKS.md, session 38).
 #define CHUNK 64
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
@@ -209,8 +209,8 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 // x's pair is one 32-bit word, broadcast, and the weights' pair layout is what the instruction
 // takes, so nothing is widened.
 static inline __attribute__((always_inline)) void
-tile(const void *x, const char *w0, const void *bias, void *y, int64_t M, int64_t m0, int p0,
-     int N, int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int wt, int y_bf16) {
+tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
+     int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int wt, int y_bf16) {
     vf acc[MAX_BLOCK * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
     for (int i = 0; i < R * PV; i++) acc[i] = kp0 ? sums[i] : (vf){};
     const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
@@ -230,7 +230,7 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t M, int64_
             for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, wt);
             for (int r = 0; r < R; r++) {
                 int64_t k = 2 * kp + half, at = (m0 + r) * 2 * K2 + k;
-                if (wt == 2) at = k * M + m0 + r;  // x interleaved (see linear)
+                if (wt == 2) at = m0 * 2 * K2 + k * R + r;  // x interleaved (see linear)
                 vf xk = splat(((const float *)x)[at]);
                 for (int v = 0; v < PV; v++) acc[r * PV + v] += xk * wk[v];  // FMA
             }
@@ -247,13 +247,12 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t M, int64_
 // Every row count a tile can have, each compiled as its own instance (7-16: AVX-512 only).
 #define ROWS(R)                                                                                    \
     case R:                                                                                        \
-        if (R == ROW_BLOCK(R))                                                                     \
-            tile(x, w0, bias, y, M, m0, p0, N, K2, kp0, kp1, sums, R, wt, y_bf16);                 \
+        if (R == ROW_BLOCK(R)) tile(x, w0, bias, y, m0, p0, N, K2, kp0, kp1, sums, R, wt, y_bf16); \
         break;
 #define ROWS4(R1, R2, R3, R4) ROWS(R1) ROWS(R2) ROWS(R3) ROWS(R4)
 static inline __attribute__((always_inline)) void
-tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t M, int64_t m0, int p0,
-          int N, int64_t K2, int64_t kp0, int64_t kp1, vf *sums, int rows, int wt, int y_bf16) {
+tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
+          int64_t K2, int64_t kp0, int64_t kp1, vf *sums, int rows, const int wt, int y_bf16) {
     switch (rows) { ROWS4(1, 5, 9, 13) ROWS4(2, 6, 10, 14) ROWS4(3, 7, 11, 15) ROWS4(4, 8, 12, 16) }
 }
 
@@ -283,8 +282,8 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 // (each row block's sums at its own rows; past 18 rows there are no chunks, each tile's sums go to
 // y at once, and m0 % 18 just keeps them inside the array)
 #define TILES(W, WT)                                                                               \
-    tile_rows(x, W, bias, y, M, m0, p0, N, K2, kp0, kp1, sums + m0 % (3 * MAX_ROWS) * PV, rows,    \
-              WT, y_bf16)
+    tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + m0 % (3 * MAX_ROWS) * PV, rows, WT,   \
+              y_bf16)
                 blocked ? TILES((const char *)scratch, 0) : TILES(w0, wt);
             }
     }
@@ -399,15 +398,14 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
             const void *bias, int N, int K, int x_bf16, int amx, int wt, int y_bf16, int gated) {
     int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL, vectors = (K + LANES - 1) / LANES;
     if (M == 0) return;  // (no tile shape has 0 rows)
-    // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x interleaved
-    // into `scratch` as [k][M rows], so that a tile reads all its rows' broadcasts through one
-    // pointer. With a pointer a row, GCC kept six of them on the stack and reloaded them every k: 6
-    // of the 52 instructions for 24 FMAs of the 6-row tile on avx2. (Interleaved by row blocks,
-    // [block][k][its rows], each element's place took three divisions: the copy cost 5 us a call at
-    // M=9, a quarter of the call's tiles; BENCHMARKS.md, session 38.) Prefill's blocked tiles and
-    // the other weight types read x in place (for prefill the copy cost more than it saved). One
-    // row is the same either way. Gated rows (the MLP's down projection, at every M) are always
-    // copied, as silu(g) u, in the layout their tiles read.
+    // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x
+    // interleaved into `scratch` by row blocks (ROW_BLOCK; the last block: what is left), each
+    // block [k][its rows], so that a tile reads all its rows' broadcasts through one pointer. With
+    // a pointer a row, GCC kept six of them on the stack and reloaded them every k: 6 of the 52
+    // instructions for 24 FMAs of the 6-row tile on avx2. Prefill's blocked tiles and the other
+    // weight types read x in place (for prefill the copy cost more than it saved). One row is the
+    // same either way. Gated rows (the MLP's down projection, at every M) are always copied, as
+    // silu(g) u, in the layout their tiles read.
     // (elem: the bytes of an element of x; only gated rows come in bf16)
     int interleaved = !amx && wt == 2 && M <= 3 * MAX_ROWS, elem = x_bf16 ? 2 : 4;
     int64_t copied_rows = (amx && !x_bf16) || (M > 1 && interleaved) || gated ? M : 0;
@@ -431,16 +429,14 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
                 int64_t m = interleaved ? j : i, k0 = (interleaved ? i : j) * LANES;
                 const char *gate = (const char *)x + (m * 2 * K + k0) * elem;  // (gated rows)
                 vf v = gated ? silu_mul_vf(gate, K * elem, x_bf16) : (vf){};
-                // fp32 rows for fp16 weights, the common case, in a loop of their own: the
-                // general one below took 4 times as long (5 us of a call at M=9, session 38)
-                for (int64_t k = k0; interleaved && k < k0 + LANES && k < K; k++)
-                    scratch[k * M + m] = gated ? v[k - k0] : ((const float *)x)[m * K + k];
-                for (int64_t k = k0; !interleaved && k < k0 + LANES && k < K; k++) {
+                // row m's block: its first row m0 and its row count (interleaved copies)
+                int64_t rb = ROW_BLOCK(M), m0 = m - m % rb, block = M - m0 < rb ? M - m0 : rb;
+                for (int64_t k = k0; k < k0 + LANES && k < K; k++) {
                     // x_hi (rounded as torch rounds), x_lo
                     bf16 *half = (bf16 *)scratch + m * K + k;
                     float value = gated ? v[k - k0] : ((const float *)x)[m * K + k];
                     if (!x_bf16 && !amx)
-                        scratch[m * K + k] = value;
+                        scratch[interleaved ? m0 * K + k * block + m % rb : m * K + k] = value;
                     else  // gated rows for bf16 tiles (AMX's or the dot product's), or AMX's x_hi
                         half[0] = to_bf16(value);
                     if (amx && !x_bf16) half[M * K] = to_bf16(value - to_f32(half[0]));  // x_lo
