@@ -161,17 +161,17 @@ static inline vf exp_vf(vf x) {
 // chunk, the blocks' accumulators kept in `sums` between chunks. The second block's pass then reads
 // the chunk from L1 while the first block's prefetches keep the memory stream going; with each
 // block walking the whole panel, memory sat idle while the later blocks re-read it from cache. A
-// T=9 forward 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6 instead of 31.0-33.2 on avx512
-// (chunks of 8 to 128 pairs measured no faster; BENCHMARKS.md, session 22). Storing and reloading
-// an fp32 sum keeps its bits: the chain is the same. The later blocks prefetch a chunk further
-// ahead than the first (AHEAD + CHUNK pairs), so that memory streams through their passes too: the
-// first block's prefetches then find the next chunk on its way (30 matrices of 3072 x 576 at M=9,
-// from DRAM, paired over 20-30 rounds beside an identical control build: 2.2% faster on avx2, 2.1%
-// on avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26). Chunks of 64 pairs, not 16: on
-// a Zen 3 (avx2, native), the default model's linears at 7-13 rows took 0.93-0.94x the time, T=9
-// forwards 0.93x, 5 rows (no chunks) 1.00x (taking turns with 16 every call, 150 pairs); 32 and
-// 128 pairs of k were slower than 64. Each chunk's restart (the sums stored and reloaded, the
-// loop's ramp) comes a quarter as often (BENCHMARKS.md, session 38).
+// T=9 forward 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6 instead of 31.0-33.2 on avx512,
+// on a Sapphire Rapids Xeon (chunks of 8 to 128 pairs no faster there; BENCHMARKS.md, session 22).
+// Storing and reloading an fp32 sum keeps its bits: the chain is the same. The later blocks
+// prefetch a chunk further ahead than the first (AHEAD + CHUNK pairs), so that memory streams
+// through their passes too: the first block's prefetches then find the next chunk on its way (30
+// matrices of 3072 x 576 at M=9, from DRAM, paired over 20-30 rounds beside an identical control
+// build: 2.2% faster on avx2, 2.1% on avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26).
+// Chunks of 64 pairs, not 16: on a Zen 3 (avx2, native), the default model's linears at 7-13 rows
+// took 0.93-0.94x the time, T=9 forwards 0.93x, 5 rows (no chunks) 1.00x (taking turns with 16
+// every call, 150 pairs); 32 and 128 pairs of k were slower than 64. Each chunk's restart (the sums
+// stored and reloaded, the loop's ramp) comes a quarter as often (BENCHMARKS.md, session 38).
 #define CHUNK 64
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
