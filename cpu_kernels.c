@@ -151,10 +151,12 @@ static inline vf exp_vf(vf x) {
 #define ROW_BLOCK(M) ((M) > 3 * MAX_ROWS ? MAX_ROWS : (int)(((M) - 1) / ROW_BLOCKS(M) + 1))
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
-// on AVX2, session 10). Non-temporal (prefetchnta: the weights are read once a step, so they
-// need not displace what the step reuses): T=1 and T=5 forwards 2-5% faster on avx2 in six runs
-// paired with a control build, the same on avx512 and avx512bf16, prefill and the linears' own
-// GB/s from DRAM unchanged, so the gain is in the work around the linears (session 28).
+// on AVX2, session 10). Into L2 (prefetcht1), not non-temporal: prefetchnta, landed for a
+// 2-5% gain at T=1 on a Zen 4 (session 28), made an Intel Xeon's linears (H200 host, avx512
+// build, 2 threads, all 121 shapes taking turns) 1.5x slower at M=1 and 1.6x at M=256 (with 16
+// threads 1.5x and 1.2x): there the stream loses the L2 prefetchers, as session 23 had seen on a
+// Sapphire Rapids. On the Zen 3 (avx2) the hints are within 2% of each other at T=1-256
+// (BENCHMARKS.md, session 39).
 #define AHEAD 32
 // A verify step of 7-18 rows in 2-3 row blocks of 6 (17-18 on AVX-512) walks each panel in chunks
 // of CHUNK pairs of k (4 KB of fp16 weights), every row block through a chunk before the next
@@ -217,7 +219,7 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
     for (int64_t kp = kp0; kp < kp1; kp++) {
         const char *pair = w0 + kp * pair_bytes;
         for (int line = 0; line < pair_bytes; line += 64)
-            __builtin_prefetch(pair + (m0 ? AHEAD + CHUNK : AHEAD) * pair_bytes + line, 0, 0);
+            __builtin_prefetch(pair + (m0 ? AHEAD + CHUNK : AHEAD) * pair_bytes + line, 0, 2);
 #ifdef __AVX512BF16__
         for (int r = 0; wt == 3 && r < R; r++) {  // bf16 x and weights: one dot product a pair
             vu xk = (vu){} + ((const uint32_t *)x)[(m0 + r) * K2 + kp];  // x's pair, both halves
