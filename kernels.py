@@ -196,7 +196,7 @@ def cpu_kernels(isa: str | None = None):
     lib.isa, lib.f16c = isa, isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     # (each call's arguments first, then a layer's own or a step's: c_linear, c_paged_attention)
-    lib.linear.argtypes = [ptr, ptr, i64, ptr, i32, ptr, ptr] + [i32] * 7
+    lib.linear.argtypes = [ptr, ptr, i64, ptr, i32, ctypes.POINTER(i64), i32]
     # q, the caches, out, the per-segment sums, the scale; rotary's cos/sin, q's row stride
     lib.paged_attention.argtypes = [ptr] * 5 + [f32, ptr, i64]
     lib.paged_attention.argtypes += [ptr] * 4 + [i32] * 9 + [ptr, ptr] + [i32] * 2 + [i64] * 3
@@ -394,14 +394,14 @@ def c_linear(x, layer: Linear, gated=False):
     # serves every case: the pages a call never touches are never mapped in (a 2048-token chunk
     # of a wide model's x would be 100 MB, but only gated or split rows are copied past 18).
     scratch = cpu_scratch(in_features * (num_rows + 32 * threads)).data_ptr()
-    lib.linear(rows.data_ptr(), out.data_ptr(), num_rows, scratch, threads, *fixed, gated)
+    lib.linear(rows.data_ptr(), out.data_ptr(), num_rows, scratch, threads, fixed, gated)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.out_features)
 
 
 def linear_args(dtype: torch.dtype, layer: Linear) -> tuple:
     """How c_linear calls the C kernel for this layer's rows of `dtype`, on the build it was
     packed for: (the build, dtype, widen: the rows go as fp32, widened by torch; pad: with a zero
-    column; the kernel's arguments after the call's own, but gated)."""
+    column; the layer's own arguments to the kernel, as the one array it takes)."""
     lib, packed = cpu_kernels(), layer.packed
     # AMX, wherever K (padded) is a multiple of 32, takes bf16 rows over bf16 weights as they are,
     # and fp32 rows over fp16 weights, which it splits itself (cpu_kernels.c, "Intel AMX"); the
@@ -413,9 +413,10 @@ def linear_args(dtype: torch.dtype, layer: Linear) -> tuple:
     x_bf16 = (amx or lib.isa == "avx512bf16") and w_type == 1 and dtype == torch.bfloat16
     # AMX's tiles: fp32 x over fp16 weights (split in bf16 halves), or bf16 over bf16
     tiles = amx and (w_type == 2 or x_bf16)
-    bias = None if layer.bias is None else layer.bias.data_ptr()
+    bias = 0 if layer.bias is None else layer.bias.data_ptr()
     weights = (packed.data_ptr(), bias, layer.out_features, 2 * packed.shape[1])  # K padded
-    fixed = (*weights, x_bf16, tiles, w_type, dtype == torch.bfloat16)
+    # one array, one argument: cpu_kernels.c's `layer`
+    fixed = (ctypes.c_int64 * 8)(*weights, x_bf16, tiles, w_type, dtype == torch.bfloat16)
     return lib, dtype, not x_bf16 and dtype != torch.float32, layer.in_features % 2, fixed
 
 

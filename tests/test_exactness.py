@@ -4,6 +4,7 @@
 # and torch ones on CPU tensors, Triton's on DEVICE). This is what makes speculative output
 # equal plain decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to
 # end.
+import ctypes
 import dataclasses
 from unittest import mock
 
@@ -113,7 +114,8 @@ def test_the_bf16_dot_product_is_its_documented_chain(monkeypatch):
     x, weight = torch.randn(5, 256).bfloat16(), (0.1 * torch.randn(32, 256)).bfloat16()
     packed, y = kernels.pack_weight(weight), torch.empty(5, 32)  # y in fp32: the chain's own bits
     call = (x.data_ptr(), y.data_ptr(), 5, kernels.cpu_scratch(1).data_ptr(), 2)
-    kernels.cpu_kernels().linear(*call, packed.data_ptr(), None, 32, 256, 1, 0, 1, 0, 0)
+    own = (ctypes.c_int64 * 8)(packed.data_ptr(), 0, 32, 256, 1, 0, 1, 0)  # w, bias, N, K, ...
+    kernels.cpu_kernels().linear(*call, own, 0)
     want, xf, wf = torch.zeros(5, 32), x.float(), weight.float()
     for k in range(0, 256, 2):
         want = (want + xf[:, k + 1, None] * wf[:, k + 1]) + xf[:, k, None] * wf[:, k]
