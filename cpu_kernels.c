@@ -683,22 +683,27 @@ void paged_attention(void *q, void *k_cache, void *v_cache, void *out, float *pa
                 put(v_cache, slot, get(q, t * q_stride + heads * head_dim + i, is_bf16), kv_type);
             }
     }
-    // Blocks of queries small enough to give every thread an item, counting the whole segments of
-    // keys (a verify step at batch 1 has few queries: in blocks of 8 they would not spread over
-    // the threads), and no smaller: every item widens its keys and values once for all its
-    // queries (measured: a T=5 or T=9 step's attention 10% faster than with two items a thread,
-    // session 15; counting whole segments, T=5 at 2,000 tokens 5-9% faster and the same below
-    // 1,024, session 17; a short last segment adds an item but little work). A sequence's queries
-    // (per_seq: their mean count over the sequences) go in `split` blocks of even size, so that the
-    // items (sequences x blocks x KV heads x whole segments, at least 1) are a multiple of the
-    // threads: at batch 1, 9 queries as 5 + 4 where blocks of 8 made 8 + 1, three items of 8 that
-    // kept one of two threads busy while the other waited (T=9 at 109-300 tokens of context 4-8%
-    // faster on avx2; two sequences of 8 stay in blocks of 8: session 28). Which item computes a
-    // query never changes its bits.
-    int whole = max_blocks * block_size / segment_keys ?: 1, per_seq = num_tokens / num_seqs;
+    // Blocks of queries small enough to give every thread two items or more, and no smaller:
+    // every item widens its keys and values once for all its queries (a verify step at batch 1
+    // has few queries: in blocks of 8 they would not spread over the threads; measured: a T=5 or
+    // T=9 step's attention 10% faster than with two items a thread, session 15). A sequence's
+    // queries (per_seq: their mean count over the sequences) go in `split` blocks of even size,
+    // until the items (sequences x blocks x KV heads x segments, a short last segment counted)
+    // number twice the threads: at batch 1 and 100-500 tokens, 9 queries as 5 + 4 where blocks
+    // of 8 made 8 + 1, three items of 8 that kept one of two threads busy while the other waited
+    // (T=9 at 109-300 tokens of context 4-8% faster on avx2, session 28). Until session 40 the
+    // items were made a multiple of the threads, counting whole segments only: past 512 tokens
+    // that split every other range (512-1,024, 1,536-2,048, ...) into blocks of 2-3 queries
+    // whose items each widened their keys for a few pairs. Not splitting there, a T=2-8 step's
+    // attention took 0.77-0.94x the time at 900, 1,700 and 2,900 tokens on the Zen 3 (avx2, 2
+    // threads, a C harness taking turns with the old build), 0.86-0.98x at 700 (T=2-7), and
+    // 0.95-1.04x at 550-650 (where the last segment holds few keys), the same where both rules
+    // agree (up to 512 tokens, and 1,024-1,536 at batch 1); at batch 3, T=5: 0.90-0.93x
+    // (BENCHMARKS.md, session 40). Which item computes a query never changes its bits.
+    int per_seq = num_tokens / num_seqs;
     int segments = (max_blocks * block_size + segment_keys - 1) / segment_keys;  // at most
     int split = tree_pos ? per_seq : (per_seq + QUERY_BLOCK - 1) / QUERY_BLOCK;
-    while (split < per_seq && num_seqs * split * num_kv_heads * whole % threads) split++;
+    while (split < per_seq && num_seqs * split * num_kv_heads * segments < 2 * threads) split++;
     int block = split ? (per_seq + split - 1) / split : 1;
     int64_t items = (int64_t)num_tokens * num_kv_heads * segments;
 // Items start at every token and segment; all but each block's first query return at once.
