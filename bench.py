@@ -438,8 +438,11 @@ def bench_kernels(argv=None):
     assert llm.blocks.ensure_slots(probe, len(probe)), "the KV pool is too small for the probe"
     for start in range(0, 4000, 500):  # the cache holds every context
         time_forward(llm, probe, 500, start)
-    base = None
+    base, whole_table = None, probe.block_table
     for context in (100, 700, 1000, 2000, 4000):
+        # As a real step's: a table just past the step's tokens (attention splits its work by the
+        # table's segments; a 4,010-token table at context 100 saw 8 of them, where a step sees 1)
+        probe.block_table = whole_table[: (context + 9) // llm.block_size + 1]
         times = taking_turns(
             {t: lambda t=t, c=context: time_forward(llm, probe, t, c) for t in (1, 5, 9)}
         )
@@ -452,6 +455,7 @@ def bench_kernels(argv=None):
                 for t, (s, ratio) in times.items()
             )
         )
+    probe.block_table = whole_table
     llm.blocks.free(probe)
     # Each tile shape and dtype is its own loop: the widest tiles (most FMAs) are what decode,
     # verify and prefill spend their time in.
