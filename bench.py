@@ -440,9 +440,10 @@ def bench_kernels(argv=None):
         time_forward(llm, probe, 500, start)
     base, whole_table = None, probe.block_table
     for context in (100, 700, 1000, 2000, 4000):
-        # As a real step's: a table just past the step's tokens (attention splits its work by the
-        # table's segments; a 4,010-token table at context 100 saw 8 of them, where a step sees 1)
-        probe.block_table = whole_table[: (context + 9) // llm.block_size + 1]
+        # As a real step's: a table just past the step's tokens, 9 at most (attention splits its
+        # work by the table's segments; a 4,010-token table at context 100 saw 8 of them, where a
+        # step sees 1)
+        probe.block_table = whole_table[: llm.blocks.blocks_for(context + 9)]
         times = taking_turns(
             {t: lambda t=t, c=context: time_forward(llm, probe, t, c) for t in (1, 5, 9)}
         )
