@@ -156,7 +156,7 @@ def step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
     machine.append(torch.get_num_threads())
     setting = [engine.config, str(engine.dtype), str(engine.kv_dtype), pool, machine]
     key = hashlib.sha1(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:12]
-    path = cache_dir() / f"step-costs-{key}.json"
+    path = cache_dir() / f"step-costs-v2-{key}.json"  # v2: every size to 9
     try:
         table, key_time = json.loads(path.read_text())
         return {int(size): float(seconds) for size, seconds in table.items()}, float(key_time)
@@ -183,8 +183,14 @@ def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float
     # largest steps look up to 13% dearer than they are). Timing them took 1.5-1.9 s of every
     # start-up (BENCHMARKS.md, session 31). A GPU's larger steps cost far less than in
     # proportion, so there they are timed.
-    largest = 128 if engine.device.type == "cpu" else 512
-    sizes = [2**i for i in range(10) if 2**i <= min(max_tokens, capacity, largest)]
+    largest = min(128 if engine.device.type == "cpu" else 512, max_tokens, capacity)
+    # Every size a verify step can have (1-9 tokens: auto K drafts up to 8), then powers of two. The
+    # costs are not linear in between: on a Zen 3 (avx2) 5-6 tokens cost 1.15-1.2x one token and 7
+    # cost 1.5x, as the linears' row blocks go from one pass over the weights to two. Timing only
+    # 1, 2, 4 and 8, the table's straight line from 4 to 8 made 6 tokens look dearer and 7-8
+    # cheaper than they are, and auto K drafted 6-7 where 5 was faster (BENCHMARKS.md, session
+    # 41).
+    sizes = [s for s in (*range(1, 10), *(2**i for i in range(4, 10))) if s <= largest]
     n = max(size for size in sizes if size <= 8)
     context = min(512, capacity - n) if capacity - n >= 64 else 0
     probe = Sequence([0] * max(context + n, sizes[-1]), SamplingParams(), engine.device)
@@ -194,13 +200,13 @@ def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float
             engine.forward(engine.model, [(probe, probe.token_ids[:context], 0)])
         # Five passes, each size's best kept: a burst of other work on the machine spoils a
         # pass, not a size (a spoilt size or context bent the costs: drafting looked too dear to
-        # try, K stayed 0). The sizes verification uses (up to 8 tokens) decide K: with three
+        # try, K stayed 0). The sizes verification uses (up to 9 tokens) decide K: with three
         # passes, three runs on a busy machine chose K = 3 in one and 4 in another. Sizes past 64
         # take long enough that a burst hardly moves them: one pass (a second saved).
         passes = [
             [
                 time_forward(engine, probe, size, 0)
-                if p == 0 or size <= (64 if p < 3 else 8)
+                if p == 0 or size <= (64 if p < 3 else 9)
                 else math.inf
                 for size in sizes
             ]

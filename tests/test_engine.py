@@ -106,6 +106,9 @@ def test_ngram_lookup_takes_longest_suffix_first_occurrence():
     # The proposal stops where the text ends; no match at all proposes nothing.
     assert lookup([3, 4, 9, 3, 4], 5) == [9, 3, 4]
     assert lookup([1, 2, 3], 4) == []
+    # A match of the last token alone drafts 3 deep at most; a 2-token match goes the whole K.
+    assert lookup([7, 1, 2, 3, 4, 5, 6, 7], 6) == [1, 2, 3]
+    assert lookup([6, 7, 1, 2, 3, 4, 5, 6, 7], 6) == [1, 2, 3, 4, 5, 6]
 
 
 def test_mixed_per_request_k(target, drafts, plain_outputs):
