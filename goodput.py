@@ -172,7 +172,7 @@ def step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
 
 
 def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float, bool]:
-    """The chooser's first costs: seconds per forward with logits of 1, 2, 4, ... tokens from
+    """The chooser's first costs: seconds per forward with logits of 1-9, 16, 32, ... tokens from
     position 0, and per token per cached key (a verify-sized forward after up to 512 tokens;
     0 if none fit); and whether its passes agreed (steady). It borrows the engine's free KV
     blocks and gives them back."""
