@@ -188,8 +188,9 @@ def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float
     # costs are not linear in between: on a Zen 3 (avx2) 5-6 tokens cost 1.15-1.2x one token and 7
     # cost 1.5x, as the linears' row blocks go from one pass over the weights to two. Timing only
     # 1, 2, 4 and 8, the table's straight line from 4 to 8 made 6 tokens look dearer and 7-8
-    # cheaper than they are, and auto K drafted 6-7 where 5 was faster (BENCHMARKS.md, session
-    # 41).
+    # cheaper than they are, and auto K drafted 6-7 where 5 was faster: with every size timed,
+    # `make demo`'s decode steps took 0.93x the time, the summarization prompts' the same
+    # (priced at each size's cost measured in situ; BENCHMARKS.md, session 41).
     sizes = [s for s in (*range(1, 10), *(2**i for i in range(4, 10))) if s <= largest]
     n = max(size for size in sizes if size <= 8)
     context = min(512, capacity - n) if capacity - n >= 64 else 0

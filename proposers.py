@@ -48,8 +48,8 @@ class NgramProposer:
         # 2-token match and 95% and 75% after 8 (greedy, the default model). Such a draft goes 3
         # deep at most, where a verify step still costs little (4 tokens: 1.15x one token on a
         # Zen 3), while auto K, whose acceptance rates then come from deeper matches past the
-        # third position, drafts longer after them: fewer model-seconds a token (BENCHMARKS.md,
-        # session 41).
+        # third position, drafts longer after them. The summarization prompts' decode steps took
+        # 0.97x the time, `make demo`'s 1.01x (BENCHMARKS.md, session 41).
         depth = depth if n > 1 else min(depth, 3)
         rows = continuations(tokens, ends[:1] if branches == 1 else ends, depth)
         return draft_tree(rows, budget, branches, 0.0)
