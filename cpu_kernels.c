@@ -551,7 +551,8 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     int kv_elem = kv_type ? 2 : 4, all_keys = num_keys + num_queries - 1;
     vf qv[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES], acc[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES];
     vf keys[LANES][MAX_DIM / LANES], values[LANES][MAX_DIM / LANES];
-    float max_score[QUERY_BLOCK * MAX_GROUP], total[QUERY_BLOCK * MAX_GROUP];
+    float max_score[QUERY_BLOCK * MAX_GROUP];
+    vf total[QUERY_BLOCK * MAX_GROUP];
     // pair i: query t0 + i / group, head i % group of the KV head's group
     for (int i = 0; i < pairs; i++) {
         int64_t at = (t0 + i / group) * q_stride + (kv_head * group + i % group) * head_dim;
@@ -559,7 +560,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             qv[i][c] = load_vf((const char *)q + (at + c * LANES) * elem, is_bf16);
             acc[i][c] = (vf){};
         }
-        max_score[i] = -INFINITY, total[i] = 0.0f;
+        max_score[i] = -INFINITY, total[i] = (vf){};
     }
     for (int l0 = segment * segment_keys; l0 < all_keys && l0 < (segment + 1) * segment_keys;
          l0 += LANES) {
@@ -592,7 +593,6 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         int active = pairs;  // the pairs whose query sees some key of this chunk: a prefix of them
         while (active > 0 && num_keys + (active - 1) / group <= l0) active--;
         vf p[QUERY_BLOCK * MAX_GROUP];
-        float alpha[QUERY_BLOCK * MAX_GROUP];
         for (int i = 0; i < active; i++) {
             // Each key's dot is its own chain over c; written c by c, the LANES chains interleave
             // in the code itself, where the CPU needs them to overlap (a T=5-64 item's attention
@@ -611,13 +611,18 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             float chunk_max = p[i][0];
             for (int j = 1; j < LANES; j++) chunk_max = p[i][j] > chunk_max ? p[i][j] : chunk_max;
             // where the max holds, e^0: skipping the rescaling keeps the same bits
-            alpha[i] = chunk_max > max_score[i] ? exp_vf(splat(max_score[i] - chunk_max))[0] : 1.0f;
+            float alpha = chunk_max > max_score[i] ? exp_vf(splat(max_score[i] - chunk_max))[0] : 1;
             max_score[i] = chunk_max > max_score[i] ? chunk_max : max_score[i];
             p[i] = exp_vf(p[i] - max_score[i]);
-            total[i] = total[i] * alpha[i] + hsum(p[i]);
+            // The sum of the weights is kept lane by lane and summed across lanes once, after the
+            // segment's last chunk: a horizontal sum every chunk sat on each pair's chain, and
+            // attention took 0.92-0.98x the time without it at every shape timed (T=1-9 at
+            // 100-2,000 tokens, a 466-token prefill, batch 3; avx2 on the Zen 3, a C harness
+            // taking turns; BENCHMARKS.md, session 41). Every query still sums in one fixed order.
+            total[i] = total[i] * alpha + p[i];
+            for (int c = 0; alpha != 1.0f && c < chunks; c++) acc[i][c] *= alpha;
         }
         for (int i = 0; i < active; i++) {
-            for (int c = 0; alpha[i] != 1.0f && c < chunks; c++) acc[i][c] *= alpha[i];
             // Every key of the chunk, a constant count (the loop unrolled: attention 5-7% faster on
             // avx2, session 18): one query i does not see has p = e^-inf = 0 and a finite value
             // (past the last key, the chunk's first), so it adds +-0 and leaves acc's bits as they
@@ -629,7 +634,7 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     for (int i = 0; i < pairs; i++) {  // this segment's sums, in fp32
         int64_t head = (int64_t)(t0 + i / group) * num_heads + kv_head * group + i % group;
         float *at = partial + (head * segments + segment) * (head_dim + 2);
-        at[0] = max_score[i], at[1] = total[i];
+        at[0] = max_score[i], at[1] = hsum(total[i]);
         __builtin_memcpy(at + 2, acc[i], head_dim * 4);
     }
 }
