@@ -220,12 +220,9 @@ def main(argv=None):
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     trees = [int(n) for n in args.spec_tree_nodes.split(",")]
+    methods = [d for d in drafts if d != "none"]
     configs = [("none", 0, 0)] * ("none" in drafts) + [
-        (d, k, n)
-        for d in drafts
-        if d != "none"
-        for k in ks
-        for n in (trees if d in ("ngram", "suffix") else [0])
+        (d, k, n) for d in methods for k in ks for n in (trees if d in ("ngram", "suffix") else [0])
     ]
     results = []
     # Prefix caching off: every repeat runs the same prompts, and a repeat served from the cache
@@ -240,12 +237,8 @@ def main(argv=None):
     if args.baseline == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        hf = (
-            AutoModelForCausalLM.from_pretrained(base.model_path, dtype=base.dtype)
-            .to(args.device)
-            .eval(),
-            AutoTokenizer.from_pretrained(base.model_path),
-        )
+        hf_model = AutoModelForCausalLM.from_pretrained(base.model_path, dtype=base.dtype)
+        hf = (hf_model.to(args.device).eval(), AutoTokenizer.from_pretrained(base.model_path))
     engines = [
         LLM(model, dtype=args.dtype, draft=d, num_spec_tokens=k, spec_tree_nodes=n, **settings)
         if d != "none"
@@ -272,13 +265,9 @@ def main(argv=None):
                 if hf and (
                     draft == "none" or draft == "ngram" and not nodes and b == 1 and k != "auto"
                 ):
+                    lookup = k if draft == "ngram" else None
                     row["hf_tok_s"] = run_hf(
-                        *hf,
-                        prompts,
-                        b,
-                        args.max_tokens,
-                        args.repeat,
-                        prompt_lookup=k if draft == "ngram" else None,
+                        *hf, prompts, b, args.max_tokens, args.repeat, prompt_lookup=lookup
                     )["tok_s"]
                 results.append(row)
     plain = {r["batch"]: r for r in results if r["method"] == "none"}
@@ -286,15 +275,13 @@ def main(argv=None):
     for r in results:
         # ref: plain decoding at this batch size
         token_ids, ref = r.pop("token_ids"), plain.get(r["batch"])
-        r["identical_to_plain"] = token_ids == plain_ids[r["batch"]] if ref else None
-        # the median of the repeats' ratios: each repeat ran every method within moments of the
-        # others
-        r["speedup_vs_plain"] = (
-            np.median(np.divide(r["tok_s_runs"], ref["tok_s_runs"])) if ref else None
-        )
-        r["decode_speedup_vs_plain"] = (
-            ref["decode_ms_per_token"] / r["decode_ms_per_token"] if ref else None
-        )
+        r["identical_to_plain"] = r["speedup_vs_plain"] = r["decode_speedup_vs_plain"] = None
+        if ref:
+            r["identical_to_plain"] = token_ids == plain_ids[r["batch"]]
+            # the median of the repeats' ratios: each repeat ran every method within moments of
+            # the others
+            r["speedup_vs_plain"] = np.median(np.divide(r["tok_s_runs"], ref["tok_s_runs"]))
+            r["decode_speedup_vs_plain"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"]
         r["speedup_vs_hf"] = r["tok_s"] / r["hf_tok_s"] if r.get("hf_tok_s") else None
     machine = machine_info(base.dtype, args.device)
     table = Table(
@@ -391,10 +378,8 @@ def bench_kernels(argv=None):
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     args = p.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, kv_cache_gib=0.25)
-    linears = {
-        id(m.packed): m for m in llm.model.modules() if getattr(m, "packed", None) is not None
-    }
-    linears = list(linears.values())
+    packed = [m for m in llm.model.modules() if getattr(m, "packed", None) is not None]
+    linears = list({id(m.packed): m for m in packed}.values())  # (a tied weight counts once)
     weight_bytes = sum(m.packed.numel() * m.packed.element_size() for m in linears)
     macs = sum(m.in_features * m.out_features for m in linears)
 

@@ -44,16 +44,10 @@ class GoodputChooser:
     without it: near break-even, a few percent of profile noise then no longer flips K from run
     to run."""
 
-    def __init__(
-        self,
-        k_max: int,
-        verify_time: dict[int, float],
-        key_time: float,
-        ema: float = 0.1,
-        margin: float = 0.05,
-        tie: float = 0.02,
-    ):
-        self.k_max, self.ema, self.margin, self.tie = k_max, ema, margin, tie
+    ema, margin, tie = 0.1, 0.05, 0.02  # the EMA's weight of a new step; `margin`, `tie` above
+
+    def __init__(self, k_max: int, verify_time: dict[int, float], key_time: float):
+        self.k_max = k_max
         # tokens in the target forward -> seconds (start-up profile)
         self.verify_time = dict(verify_time)
         self.key_time = key_time  # seconds per token per cached key it attends to (profile)
@@ -157,12 +151,10 @@ def step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
     setting = [engine.config, str(engine.dtype), str(engine.kv_dtype), pool, machine]
     key = hashlib.sha1(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir() / f"step-costs-v2-{key}.json"  # v2: every size to 9
-    try:
+    # none yet, another start-up writing it (not atomic), or not a table (edited by hand)
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
         table, key_time = json.loads(path.read_text())
         return {int(size): float(seconds) for size, seconds in table.items()}, float(key_time)
-    # none yet, another start-up writing it (not atomic), or not a table (edited by hand)
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
     table, key_time, steady = profile_step_costs(engine, max_tokens)
     if steady:  # (one taken beside other work serves this run only)
         with contextlib.suppress(OSError):  # an unwritable cache dir: the next start-up profiles

@@ -111,9 +111,7 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
     if torch.device(device).type != "cpu":
         is_16_bit = checkpoint_dtype in (torch.float16, torch.bfloat16)
         return checkpoint_dtype if is_16_bit else torch.bfloat16
-    if cpu_kernels() is not None:
-        return torch.float32
-    return torch.bfloat16 if torch_bf16_native() else torch.float32
+    return torch.bfloat16 if cpu_kernels() is None and torch_bf16_native() else torch.float32
 
 
 def torch_bf16_native() -> bool:
@@ -306,9 +304,8 @@ def pack_weight(weight: torch.Tensor, storage: torch.dtype | None = None) -> tor
     n, k = weight.shape
     # [panel, n, k / 2, 2]
     pairs = F.pad(weight, (0, k % 2, 0, -n % 16)).reshape(-1, 16, (k + 1) // 2, 2)
-    return pairs.permute(
-        (0, 2, 1, 3) if weight.dtype == torch.bfloat16 else (0, 2, 3, 1)
-    ).contiguous()
+    order = (0, 2, 1, 3) if weight.dtype == torch.bfloat16 else (0, 2, 3, 1)
+    return pairs.permute(order).contiguous()
 
 
 def use_linears(model: nn.Module, pack: bool = True, small_weights: bool = False) -> nn.Module:
@@ -327,9 +324,8 @@ def use_linears(model: nn.Module, pack: bool = True, small_weights: bool = False
                 storage = auto_weight_dtype(weight) if small else weight.dtype
                 packed[weight.data_ptr()] = pack_weight(weight, storage)
             bias = None if child.bias is None else child.bias.detach()
-            setattr(
-                module, name, Linear(weight, bias, packed[weight.data_ptr()] if c_runs else None)
-            )
+            linear = Linear(weight, bias, packed[weight.data_ptr()] if c_runs else None)
+            setattr(module, name, linear)
     return model
 
 
@@ -547,10 +543,7 @@ def c_rms_norm(x, weight, eps, residual=None):
     (the kernel reads a row whole before it writes it), so that a decode step's 60 norms allocate
     nothing. Without one, x is the residual stream the caller keeps: a fresh output."""
     x = x.contiguous()
-    if residual is None:
-        out, summed = torch.empty_like(x), None
-    else:
-        out, summed = x, residual.contiguous()
+    out, summed = (torch.empty_like(x), None) if residual is None else (x, residual.contiguous())
     summed_at = None if summed is None else summed.data_ptr()
     pointers = (x.data_ptr(), summed_at, weight.data_ptr(), out.data_ptr(), summed_at)
     rows, is_bf16 = x.numel() // x.shape[-1], x.dtype == torch.bfloat16

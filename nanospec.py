@@ -64,14 +64,10 @@ class Scheduler:
             k_max if s.params.num_spec_tokens is None else min(k_max, s.params.num_spec_tokens)
             for s in decoding
         ]
-        ks = (
-            self.chooser.choose(
-                [acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)],
-                [len(s) for s in decoding],
-            )
-            if self.chooser and decoding
-            else caps
-        )
+        ks = caps
+        if self.chooser and decoding:
+            estimates = [acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)]
+            ks = self.chooser.choose(estimates, [len(s) for s in decoding])
         ks = dict(zip(decoding, ks))
         # One request a step that has drafted in fewer than 2 steps drafts anyway (all of a batch at
         # once cost 5%): a cautious prior against a dear-looking profile (a busy start-up) would
@@ -100,16 +96,9 @@ class Scheduler:
                 if seq not in self.running:
                     break
             if seq in self.running:
-                scheduled.append(
-                    ScheduledSeq(
-                        seq,
-                        num_tokens,
-                        nodes,
-                        seq.num_cached + num_tokens == len(seq),
-                        max_depth=min(k, nodes),
-                        branches=nodes if tree else 1,
-                    )
-                )
+                samples = seq.num_cached + num_tokens == len(seq)
+                max_depth, branches = min(k, nodes), nodes if tree else 1
+                scheduled.append(ScheduledSeq(seq, num_tokens, nodes, samples, max_depth, branches))
                 budget -= num_tokens + nodes
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -294,11 +283,10 @@ class LLMEngine:
             "context the models can position (a sliding-window model stops at its window)",
         )
         self.max_model_len = c.max_model_len or limit
-        num_blocks = c.num_blocks
-        if num_blocks is None:  # one pool: a block id costs its K/V in the target and in the draft
-            num_blocks = int(c.kv_cache_gib * 2**30) // bytes_per_block(
-                cache_models, block_size, self.kv_dtype
-            )
+        # one pool: a block id costs its K/V in the target and in the draft
+        num_blocks = c.num_blocks or int(c.kv_cache_gib * 2**30) // bytes_per_block(
+            cache_models, block_size, self.kv_dtype
+        )
         require(num_blocks >= 1, f"kv_cache_gib {c.kv_cache_gib} is too small for one KV block")
         self.kv_caches = [
             allocate_kv_cache(m, num_blocks, block_size, self.kv_dtype, self.device)
@@ -545,9 +533,6 @@ def parse_args(argv=None):
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument(
         "--logprobs", type=int, help="log-probs of each token and the N most likely, in --json"
@@ -572,12 +557,12 @@ def parse_args(argv=None):
         type=int,
         help="run without speculation while more than this many sequences are running",
     )
-    for name in ("repetition-penalty", "presence-penalty", "frequency-penalty", "min-p"):
+    for name in ("top-p", "repetition-penalty", "presence-penalty", "frequency-penalty", "min-p"):
         p.add_argument(f"--{name}", type=float)
     p.add_argument("--json-schema", help="a JSON schema file: the output is JSON that validates")
     p.add_argument("--regex", help="the output matches this regular expression")
     sizes = "block-size num-blocks max-num-seqs max-num-batched-tokens max-model-len".split()
-    for name in sizes + ["ngram-min", "ngram-max"]:
+    for name in ["top-k", "seed"] + sizes + ["ngram-min", "ngram-max"]:
         p.add_argument(f"--{name}", type=int)
     return p.parse_args(argv)
 
@@ -672,10 +657,8 @@ def print_stream(console, updates, num_requests: int) -> list[RequestOutput]:
         pending[update.index].append(update)
         while len(outputs) < num_requests and pending[len(outputs)]:
             shown = pending[len(outputs)].pop(0)
-            for drafted, chars in itertools.groupby(
-                zip(shown.delta, shown.drafted), lambda c: c[1]
-            ):
-                text = "".join(c for c, _ in chars)
+            for drafted, run in itertools.groupby(zip(shown.delta, shown.drafted), lambda c: c[1]):
+                text = "".join(c for c, _ in run)
                 style = "cyan" if drafted else None
                 console.print(text, style=style, end="", markup=False, highlight=False)
             console.file.flush()
@@ -705,7 +688,6 @@ def turn_prompt_ids(llm: LLM, text: str, last) -> list[int]:
 def chat(llm: LLM, params: SamplingParams, console) -> int:
     """--chat without prompts: read a line, stream the answer, keep the conversation (the chat
     template's history); /reset starts over, /exit or Ctrl-D ends."""
-    require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
     messages, last = [], None  # last: the last turn's prompt text, prompt ids and output
     while True:
         try:
@@ -742,14 +724,14 @@ def main(argv=None) -> int:
         params = SamplingParams(**given)
         llm = LLM(**settings)
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
-        if args.chat and not prompts:
-            return chat(llm, params, console)
-        prompts = prompts or ["Write a short poem about the sea."]
         if args.chat:
             require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
+            if not prompts:
+                return chat(llm, params, console)
             prompts = [
                 llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
             ]
+        prompts = prompts or ["Write a short poem about the sea."]
         start = time.perf_counter()
         if console.is_terminal:  # stream
             updates = llm.generate(prompts, params, stream=True)

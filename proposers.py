@@ -30,9 +30,8 @@ class NgramProposer:
 
     def propose(self, engine, items: list[ScheduledSeq]):
         for item in items:
-            tokens = np.asarray(item.seq.token_ids)
             item.drafts, item.parents = self.tree(
-                tokens, item.num_spec, item.max_depth, item.branches
+                np.asarray(item.seq.token_ids), item.num_spec, item.max_depth, item.branches
             )
 
     def tree(

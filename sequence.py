@@ -250,7 +250,4 @@ class ScheduledSeq:
 
     def depth(self) -> int:
         """How deep the drafts go: a chain's length, a tree's longest root-to-node path."""
-        depths = [0]  # each draft's depth (1: a child of the last token), parents first
-        for p in self.parents:
-            depths.append(depths[p + 1] + 1)
-        return max(depths)
+        return max(map(len, controls.row_paths(self.drafts, self.parents)))
