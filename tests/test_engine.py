@@ -1,5 +1,8 @@
 # End-to-end engine behaviour on tiny random models: greedy output equals transformers, speculation
 # never changes greedy output (every proposer, K, batch size, block size, preemption), stops, seeds.
+import math
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import tiny
@@ -109,6 +112,24 @@ def test_ngram_lookup_takes_longest_suffix_first_occurrence():
     # A match of the last token alone drafts 3 deep at most; a 2-token match goes the whole K.
     assert lookup([7, 1, 2, 3, 4, 5, 6, 7], 6) == [1, 2, 3]
     assert lookup([6, 7, 1, 2, 3, 4, 5, 6, 7], 6) == [1, 2, 3, 4, 5, 6]
+
+
+def test_ngram_chain_resumes_copying_at_its_cursor():
+    """After a draft copied from the middle of the text, a short match that also occurs earlier
+    drafts from the occurrence past where the copying was, not from the first."""
+    proposer, seq = NgramProposer(1, 3), SimpleNamespace(copy_offset=-math.inf)
+    prompt = [1, 2, 5, 6, 1, 3, 5, 7, 1, 4, 6, 6, 0]
+    # "3" occurs once, at 5: the chain copies what follows it
+    assert proposer.tree(np.array(prompt + [3]), 3, 3, 1, seq)[0] == [5, 7, 1]
+    # The model wrote 9 and 1 instead. "1" occurs at 0, 4 and 8: the cursor (5, moved on by the
+    # 2 tokens since, less 2) picks 8; without one, the first occurrence
+    tokens = np.array(prompt + [3, 9, 1])
+    assert proposer.tree(tokens, 3, 3, 1, seq)[0] == [4, 6, 6]
+    assert proposer.tree(tokens, 3, 3, 1)[0] == [2, 5, 6]
+    # A tree keeps every occurrence's continuation: the cursor (that of the first chain) is not
+    # used, nor moved
+    seq.copy_offset = -11
+    assert proposer.tree(tokens, 3, 1, 3, seq)[0] == [2, 3, 4] and seq.copy_offset == -11
 
 
 def test_mixed_per_request_k(target, drafts, plain_outputs):
