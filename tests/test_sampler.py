@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sampling
-from sampling import accept, logits_to_probs, rejection_sample, sample_drafts
+from sampling import accept, inverse_cdf, logits_to_probs, rejection_sample, sample_drafts
 from sequence import SamplingParams, ScheduledSeq, Sequence
 
 V, LENGTH = 5, 3  # vocabulary, and how many tokens each simulated generation keeps
@@ -35,9 +35,13 @@ def simulate(target, draft, k, num_chains, one_hot_draft, seed, sampler=rejectio
             tokens, q = q.argmax(-1), None
         else:
             tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(num_chains, k)
-        uniform = torch.rand(num_chains, k, generator=g)
-        noise = torch.empty(num_chains, V).exponential_(generator=g)
-        n, nxt = sampler(target[steps], tokens, q, torch.full((num_chains,), k), uniform, noise)
+        uniform, uniform_next = (
+            torch.rand(num_chains, k, generator=g),
+            torch.rand(num_chains, generator=g),
+        )
+        n, nxt = sampler(
+            target[steps], tokens, q, torch.full((num_chains,), k), uniform, uniform_next
+        )
         emitted = torch.cat([tokens, torch.zeros(num_chains, 1, dtype=torch.long)], 1)
         emitted[rows, n] = nxt  # accepted drafts, then the recovered or bonus token
         write = (torch.arange(k + 1) <= n[:, None]) & active[:, None]
@@ -107,12 +111,12 @@ def test_broken_residual_or_bonus_is_detected():
     target, draft = random_dists(g, LENGTH, 2.0), random_dists(g, LENGTH, 2.0)
     exact, n = joint_exact(target), 40_000
 
-    def broken_residual(p, d, q, nd, u, e):
-        num_accepted, _ = rejection_sample(p, d, q, nd, u, e)
-        return num_accepted, (p[torch.arange(len(p)), num_accepted] / e).argmax(-1)
+    def broken_residual(p, d, q, nd, u, u_next):
+        num_accepted, _ = rejection_sample(p, d, q, nd, u, u_next)
+        return num_accepted, inverse_cdf(p[torch.arange(len(p)), num_accepted], u_next)
 
-    def broken_bonus(p, d, q, nd, u, e):
-        return rejection_sample(torch.cat([p[:, :-1], p[:, -2:-1]], 1), d, q, nd, u, e)
+    def broken_bonus(p, d, q, nd, u, u_next):
+        return rejection_sample(torch.cat([p[:, :-1], p[:, -2:-1]], 1), d, q, nd, u, u_next)
 
     for broken in (broken_residual, broken_bonus):
         freq = joint_histogram(simulate(target, draft, 2, n, False, 0, sampler=broken))
@@ -201,6 +205,18 @@ def test_broken_coupling_is_detected(monkeypatch):
         assert chi2 > dof + 6 * (2 * dof) ** 0.5
 
 
+def test_inverse_cdf_draws_weighted_tokens_only_and_keeps_tiny_ones():
+    def draw(weights, u):
+        return inverse_cdf(torch.tensor([weights]), torch.tensor([u], dtype=torch.float64)).item()
+
+    # u near 1 takes the first weighted token, u = 0 the last; a zero weight never comes out
+    assert [draw([0.0, 2.0, 0.0, 1.0, 0.0], u) for u in (0.999, 0.5, 0.3, 0.0)] == [1, 1, 3, 3]
+    # 999 weights of 1e-9 between two of 1: each still owns its own sliver (an fp32 running sum
+    # stays at 1 through them, rounding each 1e-9 away: this draw gave token 0)
+    weights = [1.0] + [1e-9] * 999 + [1.0]
+    assert draw(weights, 1 - (1 + 5.5e-9) / sum(weights)) == 6
+
+
 def test_greedy_reduces_to_argmax_matching():
     p = torch.tensor([[[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]]])
     greedy = torch.nn.functional.one_hot(p.argmax(-1), 3).float()
@@ -211,7 +227,7 @@ def test_greedy_reduces_to_argmax_matching():
             None,
             torch.tensor([2]),
             torch.rand(1, 2),
-            torch.ones(1, 3),
+            torch.rand(1),
         )
         assert (n.item(), tok.item()) == expected
     # The engine's greedy shortcut gives the same answers, for a batch whose rows have different K.
