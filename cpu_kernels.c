@@ -520,7 +520,14 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
 // same in every layer of a step (kernels.c_paged_attention works them out once a step).
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#define QUERY_BLOCK 8
+// Blocks of up to 16 queries, not 8: a verify step of 9-16 tokens is then one block wherever its
+// segments alone give the threads their items (past 512 tokens), and each chunk's keys are widened
+// once for all its pairs, not twice. A T=9 or T=12 forward 0.95x the time at 2,500 tokens, 0.99x
+// at 1,500, the same at 700 and for a 466-token prefill (the Zen 3, avx2, taking turns forward by
+// forward with the old build; the attention call alone 0.91-0.96x at 1,500-3,000 tokens, 1.03x at
+// 600, where the last segment is short; BENCHMARKS.md, session 42). The stack arrays below grow
+// to 256 pairs (0.5 MB a thread, for MAX_GROUP heads a KV head).
+#define QUERY_BLOCK 16
 
 // i's log2(LANES) bits in reverse order
 static const int REVERSED16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
@@ -688,23 +695,23 @@ void paged_attention(void *q, void *k_cache, void *v_cache, void *out, float *pa
                 put(v_cache, slot, get(q, t * q_stride + heads * head_dim + i, is_bf16), kv_type);
             }
     }
-    // Blocks of queries small enough to give every thread two items or more, and no smaller:
-    // every item widens its keys and values once for all its queries (a verify step at batch 1
-    // has few queries: in blocks of 8 they would not spread over the threads; measured: a T=5 or
+    // Blocks of queries small enough to give every thread two items or more, and no smaller: every
+    // item widens its keys and values once for all its queries (a verify step at batch 1 has few
+    // queries: in blocks of QUERY_BLOCK they would not spread over the threads; measured: a T=5 or
     // T=9 step's attention 10% faster than with two items a thread, session 15). A sequence's
     // queries (per_seq: their mean count over the sequences) go in `split` blocks of even size,
     // until the items (sequences x blocks x KV heads x segments, a short last segment counted)
-    // number twice the threads: at batch 1 and 100-500 tokens, 9 queries as 5 + 4 where blocks
-    // of 8 made 8 + 1, three items of 8 that kept one of two threads busy while the other waited
-    // (T=9 at 109-300 tokens of context 4-8% faster on avx2, session 28). Until session 40 the
-    // items were made a multiple of the threads, counting whole segments only: past 512 tokens
-    // that split every other range (512-1,024, 1,536-2,048, ...) into blocks of 2-3 queries
-    // whose items each widened their keys for a few pairs. Not splitting there, a T=2-8 step's
-    // attention took 0.77-0.94x the time at 900, 1,700 and 2,900 tokens on the Zen 3 (avx2, 2
-    // threads, a C harness taking turns with the old build), 0.86-0.98x at 700 (T=2-7), and
-    // 0.95-1.04x at 550-650 (where the last segment holds few keys), the same where both rules
-    // agree (up to 512 tokens, and 1,024-1,536 at batch 1); at batch 3, T=5: 0.90-0.93x
-    // (BENCHMARKS.md, session 40). Which item computes a query never changes its bits.
+    // number twice the threads: at batch 1 and 100-500 tokens, 9 queries as 5 + 4 where blocks of 8
+    // made 8 + 1, three items of 8 that kept one of two threads busy while the other waited (T=9 at
+    // 109-300 tokens of context 4-8% faster on avx2, session 28). Until session 40 the items were
+    // made a multiple of the threads, counting whole segments only: past 512 tokens that split
+    // every other range (512-1,024, 1,536-2,048, ...) into blocks of 2-3 queries whose items each
+    // widened their keys for a few pairs. Not splitting there, a T=2-8 step's attention took
+    // 0.77-0.94x the time at 900, 1,700 and 2,900 tokens on the Zen 3 (avx2, 2 threads, a C harness
+    // taking turns with the old build), 0.86-0.98x at 700 (T=2-7), and 0.95-1.04x at 550-650 (where
+    // the last segment holds few keys), the same where both rules agree (up to 512 tokens, and
+    // 1,024-1,536 at batch 1); at batch 3, T=5: 0.90-0.93x (BENCHMARKS.md, session 40). Which item
+    // computes a query never changes its bits.
     int per_seq = num_tokens / num_seqs;
     int segments = (max_blocks * block_size + segment_keys - 1) / segment_keys;  // at most
     int split = tree_pos ? per_seq : (per_seq + QUERY_BLOCK - 1) / QUERY_BLOCK;
