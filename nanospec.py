@@ -343,16 +343,16 @@ class LLMEngine:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     # -- one forward over a varlen batch --------------------------------------------------------
-    def forward(self, model, batch: list[tuple[Sequence, list[int], int]], parents=None):
+    def forward(self, model, batch: list[tuple[Sequence, list[int], int]], parents=None, keep=None):
         """batch: (seq, tokens, start position); parents[b]: the parent of each of batch b's last
-        tokens when they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H] and host
-        query_start_loc [B+1]."""
+        tokens when they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H] (keep: of
+        those rows only, model.forward) and host query_start_loc [B+1]."""
         input_ids, positions, ctx, query_start_loc = pack(
             batch, parents, self.block_size, self.device
         )
         kernels.context = ctx
         try:
-            hidden = model(input_ids, positions)
+            hidden = model(input_ids, positions, keep)
         finally:
             kernels.context = None
         # query_start_loc stays on the host: reading row ends from it never syncs the device.
@@ -376,7 +376,12 @@ class LLMEngine:
         proposed = time.perf_counter()
         # Verify: one target forward over every sequence's new tokens plus its drafts.
         batch = [it.forward_input() for it in scheduled]
-        hidden, query_start = self.forward(self.model, batch, [it.parents for it in scheduled])
+        # The rows the step samples from (each sampling sequence's last token and its drafts):
+        # the only hidden states the forward finishes.
+        ends = itertools.accumulate(len(tokens) for _, tokens, _ in batch)
+        rows = [range(e - len(it.drafts) - 1, e) for it, e in zip(scheduled, ends) if it.samples]
+        keep = torch.tensor([r for run in rows for r in run], dtype=torch.long, device=self.device)
+        hidden, _ = self.forward(self.model, batch, [it.parents for it in scheduled], keep)
         for it in scheduled:
             if not it.samples:
                 it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end
@@ -384,14 +389,12 @@ class LLMEngine:
         sampling = [it for it in scheduled if it.samples]
         if not sampling:
             return []
-        ends = [end for it, end in zip(scheduled, query_start[1:].tolist()) if it.samples]
-        rows = [r for it, end in zip(sampling, ends) for r in range(end - len(it.drafts) - 1, end)]
-        logits = self.model.lm_head(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.lm_head(hidden)
         # Accept, then commit: the accepted drafts and one more token per sampling sequence.
         starts = itertools.accumulate((len(it.drafts) + 1 for it in sampling), initial=0)
         for it, start, (path, token) in zip(sampling, starts, accept(sampling, logits)):
             own = [start] + [start + 1 + node for node in path]  # the rows that produced the tokens
-            self.commit(it, path, token, hidden[rows[own[-1]]], logits[own])
+            self.commit(it, path, token, hidden[own[-1]], logits[own])
         chooser = self.scheduler.chooser
         if chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
             # Verification is all the rest of the step: each draft also costs a logits row, its

@@ -107,13 +107,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
-    def forward(self, x, residual, cos_sin):
+    def forward(self, x, residual, cos_sin, keep=None):
+        """keep (the last layer's): the rows that go on past attention, LlamaForCausalLM.forward."""
         # The residual stream is carried separately so each norm can fuse "add residual, then norm".
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos_sin)
+        if keep is not None:
+            x, residual = x[keep], residual[keep]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -158,13 +161,19 @@ class LlamaForCausalLM(nn.Module):
         )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
-    def forward(self, input_ids, positions):
-        """Packed tokens [T] at positions [T] -> final-norm hidden states [T, H]."""
+    def forward(self, input_ids, positions, keep=None):
+        """Packed tokens [T] at positions [T] -> final-norm hidden states [T, H], or those of the
+        rows `keep` (a tensor of row indices). Every row's K/V is still written (every layer's
+        attention runs on all rows); past the last layer's attention only the kept rows go on, as
+        llama.cpp does: a step samples from a few rows, and a prompt's other rows need no MLP at
+        the top (a 466-token prefill of the default model took 0.97x the time; BENCHMARKS.md,
+        session 42). Row-invariant kernels give the kept rows the bits they get among all."""
         x, residual = self.model.embed_tokens(input_ids), None
         # Every layer rotates at the same positions: gather their cos/sin rows once per forward,
         # rounded to the model's dtype as transformers does.
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(x.dtype)
-        for layer in self.model.layers:
+        for layer in self.model.layers[:-1]:
             x, residual = layer(x, residual, cos_sin)
+        x, residual = self.model.layers[-1](x, residual, cos_sin, keep)
         x, _ = self.model.norm(x, residual)
         return x

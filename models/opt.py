@@ -22,14 +22,14 @@ class OPTDecoderLayer(nn.Module):
         self.fc2 = nn.Linear(config["ffn_dim"], hidden, bias=bias)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
 
-    def forward(self, x):
-        for norm, block in (
-            (self.self_attn_layer_norm, self.self_attn),
-            (self.final_layer_norm, self.mlp),
-        ):
-            x = block(norm(x) if self.pre_norm else x) + x
-            x = x if self.pre_norm else norm(x)
-        return x
+    def forward(self, x, keep=None):
+        """keep (the last layer's): the rows that go on past attention, as in models/llama.py."""
+        x = self.residual_block(self.self_attn_layer_norm, self.self_attn, x)
+        return self.residual_block(self.final_layer_norm, self.mlp, x if keep is None else x[keep])
+
+    def residual_block(self, norm, block, x):
+        x = block(norm(x) if self.pre_norm else x) + x
+        return x if self.pre_norm else norm(x)
 
     def mlp(self, x):
         return self.fc2(F.relu(self.fc1(x)))
@@ -80,11 +80,12 @@ class OPTForCausalLM(nn.Module):
         name = name.replace(".self_attn.out_proj.", ".self_attn.o_proj.")  # Attention's name for it
         return "model." + name if name.startswith("decoder.") else name
 
-    def forward(self, input_ids, positions):
+    def forward(self, input_ids, positions, keep=None):
+        """As LlamaForCausalLM.forward: hidden states [T, H], or of the rows `keep`."""
         dec = self.model.decoder
         x = dec.project_in(dec.embed_tokens(input_ids)) + dec.embed_positions(
             positions + POSITION_OFFSET
         )
-        for layer in dec.layers:
+        for layer in dec.layers[:-1]:
             x = layer(x)
-        return dec.project_out(dec.final_layer_norm(x))
+        return dec.project_out(dec.final_layer_norm(dec.layers[-1](x, keep)))

@@ -70,6 +70,26 @@ def test_logits_match_transformers(name, tmp_path):
         assert (got - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3", "opt", "opt-post-norm"])
+def test_forward_of_kept_rows_equals_those_rows_of_all(name, tmp_path):
+    """The step finishes only the rows it samples from (keep): the same bits as those rows of
+    the whole forward; and every row's K/V is still written: a decode step after a forward that
+    kept no row gives the logits a whole prefill gives."""
+    tiny.write_checkpoint(tmp_path, CASES[name]())
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_blocks=32)
+    tokens = list(range(3, 14))
+    whole_seq, kept_seq = (Sequence(tokens + [20], SamplingParams(), "cpu") for _ in range(2))
+    assert llm.blocks.ensure_slots(whole_seq, 12) and llm.blocks.ensure_slots(kept_seq, 12)
+    with torch.inference_mode():
+        whole = llm.forward(llm.model, [(whole_seq, tokens, 0)])[0]
+        kept = llm.forward(llm.model, [(whole_seq, tokens, 0)], keep=torch.tensor([3, 10]))[0]
+        nothing = torch.tensor([], dtype=torch.long)
+        none = llm.forward(llm.model, [(kept_seq, tokens, 0)], keep=nothing)[0]
+        after = llm.model.lm_head(llm.forward(llm.model, [(kept_seq, [20], 11)])[0])
+    assert torch.equal(kept, whole[[3, 10]]) and none.shape == (0, whole.shape[1])
+    assert torch.equal(after[0], paged_logits(llm, [(tokens + [20], [12])])[0][-1])
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     hf = tiny.write_checkpoint(tmp_path, tiny.llama_like(), max_shard_size="60KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
