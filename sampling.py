@@ -1,8 +1,8 @@
 # Sampling and lossless acceptance: probabilities after temperature / top-k / top-p, the
 # exponential race keyed by (seed, position), the coupled acceptance (greedy, seeded) and the
 # rejection sampler (unseeded, which draws by inverse CDF), log-probs, and the sampling of model
-# drafts. It must never emit a
-# token the target would not have produced with the same sampling (greedy: the same tokens).
+# drafts. It must never emit a token the target would not have produced with the same sampling
+# (greedy: the same tokens).
 import itertools
 
 import torch
@@ -120,7 +120,8 @@ def accept_coupled(
 
 def accept_by_rejection(it: ScheduledSeq, logits: torch.Tensor) -> tuple[list[int], int]:
     """Standard rejection sampling (unseeded requests) of one sequence's chain, from its logits
-    [K+1, V]. Its uniforms, then its noise, come from the request's own generator."""
+    [K+1, V]. Its K + 1 uniforms (one a draft, then one for the emitted token) come from the
+    request's own generator."""
     k, device = len(it.drafts), logits.device
     target_probs = logits_to_probs(logits, [it.seq] * (k + 1))
     uniform = torch.rand(k + 1, generator=it.seq.generator, device=device)

@@ -79,7 +79,7 @@ class Sequence:
         self.drafted_chars: list[bool] = []
         self.num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
         # The n-gram proposer's copy cursor: where its last chain was copied from, less the
-        # request's length then (NgramProposer.tree); at first, anywhere.
+        # request's length then and 2 (NgramProposer.tree); at first, anywhere.
         self.copy_offset = -math.inf
         self.num_drafted = self.num_accepted = self.num_spec_steps = 0
         self.num_pruned = 0  # drafts the grammar cut before verification (not in num_drafted)
