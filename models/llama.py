@@ -172,8 +172,10 @@ class LlamaForCausalLM(nn.Module):
         # Every layer rotates at the same positions: gather their cos/sin rows once per forward,
         # rounded to the model's dtype as transformers does.
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(x.dtype)
-        for layer in self.model.layers[:-1]:
+        # (unpacked, not sliced: slicing an nn.ModuleList builds a new one, 0.14 ms a forward)
+        *layers, last = self.model.layers
+        for layer in layers:
             x, residual = layer(x, residual, cos_sin)
-        x, residual = self.model.layers[-1](x, residual, cos_sin, keep)
+        x, residual = last(x, residual, cos_sin, keep)
         x, _ = self.model.norm(x, residual)
         return x

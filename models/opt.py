@@ -86,6 +86,7 @@ class OPTForCausalLM(nn.Module):
         x = dec.project_in(dec.embed_tokens(input_ids)) + dec.embed_positions(
             positions + POSITION_OFFSET
         )
-        for layer in dec.layers[:-1]:
+        *layers, last = dec.layers  # (unpacked, not sliced: as in models/llama.py)
+        for layer in layers:
             x = layer(x)
-        return dec.project_out(dec.final_layer_norm(dec.layers[-1](x, keep)))
+        return dec.project_out(dec.final_layer_norm(last(x, keep)))

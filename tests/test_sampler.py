@@ -35,10 +35,8 @@ def simulate(target, draft, k, num_chains, one_hot_draft, seed, sampler=rejectio
             tokens, q = q.argmax(-1), None
         else:
             tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(num_chains, k)
-        uniform, uniform_next = (
-            torch.rand(num_chains, k, generator=g),
-            torch.rand(num_chains, generator=g),
-        )
+        uniform = torch.rand(num_chains, k, generator=g)
+        uniform_next = torch.rand(num_chains, generator=g)
         n, nxt = sampler(
             target[steps], tokens, q, torch.full((num_chains,), k), uniform, uniform_next
         )
