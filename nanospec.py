@@ -391,7 +391,7 @@ class LLMEngine:
             return []
         logits = self.model.lm_head(hidden)
         # Accept, then commit: the accepted drafts and one more token per sampling sequence.
-        starts = itertools.accumulate((len(it.drafts) + 1 for it in sampling), initial=0)
+        starts = itertools.accumulate(map(len, rows), initial=0)  # each one's first row in logits
         for it, start, (path, token) in zip(sampling, starts, accept(sampling, logits)):
             own = [start] + [start + 1 + node for node in path]  # the rows that produced the tokens
             self.commit(it, path, token, hidden[own[-1]], logits[own])
