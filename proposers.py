@@ -186,8 +186,7 @@ class DraftModelProposer:
             if i > 0:  # then one token per step: the draft's own previous guess
                 items = [item for item in items if item.num_spec > i]
                 batch = [(item.seq, item.drafts[-1:], len(item.seq) + i - 1) for item in items]
-            hidden, query_start = self.feed(engine, batch)
-            sample_drafts(items, self.model.lm_head(hidden[query_start[1:] - 1]))
+            sample_drafts(items, self.model.lm_head(self.feed(engine, batch)))
 
     def catch_up(self, engine, seqs: list[Sequence]):
         """While the tokens the draft lacks exceed the step's token budget, feed them (all but each
@@ -203,11 +202,15 @@ class DraftModelProposer:
             self.feed(engine, chunk)
 
     def feed(self, engine, batch: list[tuple[Sequence, list[int], int]]):
-        """One draft forward; its tokens' K/V are now in the draft's cache."""
-        hidden, query_start = engine.forward(self.model, batch)
+        """One draft forward; its tokens' K/V are now in the draft's cache. Returns the final
+        hidden state of each sequence's last token: a draft samples from no other row, so the
+        forward finishes those alone (model.forward's keep; a catch-up chunk's are not read)."""
+        ends = itertools.accumulate(len(tokens) for _, tokens, _ in batch)
+        keep = torch.tensor([end - 1 for end in ends], device=engine.device)
+        hidden, _ = engine.forward(self.model, batch, None, keep)  # (no tree: chains)
         for seq, tokens, start in batch:
             seq.num_draft_cached = start + len(tokens)
-        return hidden, query_start
+        return hidden
 
 
 @dataclass
