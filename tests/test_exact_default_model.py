@@ -111,6 +111,8 @@ def test_self_draft_and_preemption_equal_plain(plain):
     outs = spec.generate(plain["prompts"], GREEDY, use_progress=False)
     assert [o.token_ids for o in outs] == plain["greedy"]
     assert spec.stats["preemptions"] > 0
+    # Its own drafts, from the rows its forwards keep (each sequence's last): all accepted
+    assert all(o.num_accepted_tokens == o.num_draft_tokens > 0 for o in outs)
 
 
 def test_seeded_sampling_and_logprobs_equal_plain(plain):
