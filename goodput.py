@@ -226,7 +226,7 @@ def time_forward(engine, probe: Sequence, num_tokens: int, start: int) -> float:
     """Seconds for the forward and logits (all rows, as in a verify) of num_tokens of probe at
     start."""
     started, tokens = clock(engine.device), probe.token_ids[start : start + num_tokens]
-    engine.model.lm_head(engine.forward(engine.model, [(probe, tokens, start)])[0])
+    engine.model.lm_head(engine.forward(engine.model, [(probe, tokens, start)]))
     return clock(engine.device) - started
 
 

@@ -159,7 +159,7 @@ def tree_layout(
 
 def pack(batch: list[tuple[Sequence, list[int], int]], parents, block_size: int, device):
     """One varlen forward's inputs (LLMEngine.forward): input_ids [T] and positions [T] on the
-    device, the step's AttentionContext, and query_start_loc [B+1] on the host."""
+    device, and the step's AttentionContext."""
     q_lens = [len(tokens) for _, tokens, _ in batch]
     seq_lens = [start + len(tokens) for _, tokens, start in batch]
     input_ids = torch.tensor([t for _, tokens, _ in batch for t in tokens])
@@ -172,12 +172,11 @@ def pack(batch: list[tuple[Sequence, list[int], int]], parents, block_size: int,
     block_tables = torch.tensor(
         [s.block_table + [-1] * (width - len(s.block_table)) for s, _, _ in batch]
     )
-    query_start_loc = torch.tensor([0] + list(itertools.accumulate(q_lens)))
     ctx = AttentionContext(
         torch.tensor(slots, device=device),
         block_tables.to(device),
         torch.tensor(seq_lens, device=device),
-        query_start_loc.to(device),
+        torch.tensor([0, *itertools.accumulate(q_lens)], device=device),  # query_start_loc
         max(q_lens),
     )
     # Trees only (a batch of chains skips this): a tree node's logical position, its depth past
@@ -185,7 +184,7 @@ def pack(batch: list[tuple[Sequence, list[int], int]], parents, block_size: int,
     if parents and any(nodes != list(range(-1, len(nodes) - 1)) for nodes in parents):
         positions, keys, _ = tree_layout(batch, parents)
         ctx.tree_pos, ctx.tree_keys = positions.to(device), keys.to(device)
-    return input_ids.to(device), positions.to(device), ctx, query_start_loc
+    return input_ids.to(device), positions.to(device), ctx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,18 +344,14 @@ class LLMEngine:
     # -- one forward over a varlen batch --------------------------------------------------------
     def forward(self, model, batch: list[tuple[Sequence, list[int], int]], parents=None, keep=None):
         """batch: (seq, tokens, start position); parents[b]: the parent of each of batch b's last
-        tokens when they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H] (keep: of
-        those rows only, model.forward) and host query_start_loc [B+1]."""
-        input_ids, positions, ctx, query_start_loc = pack(
-            batch, parents, self.block_size, self.device
-        )
+        tokens when they are a draft tree (ScheduledSeq.parents). Returns hidden [T, H], or of
+        the rows `keep` only (model.forward)."""
+        input_ids, positions, ctx = pack(batch, parents, self.block_size, self.device)
         kernels.context = ctx
         try:
-            hidden = model(input_ids, positions, keep)
+            return model(input_ids, positions, keep)
         finally:
             kernels.context = None
-        # query_start_loc stays on the host: reading row ends from it never syncs the device.
-        return hidden, query_start_loc
 
     # -- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -381,7 +376,7 @@ class LLMEngine:
         ends = itertools.accumulate(len(tokens) for _, tokens, _ in batch)
         rows = [range(e - len(it.drafts) - 1, e) for it, e in zip(scheduled, ends) if it.samples]
         keep = torch.tensor([r for run in rows for r in run], dtype=torch.long, device=self.device)
-        hidden, _ = self.forward(self.model, batch, [it.parents for it in scheduled], keep)
+        hidden = self.forward(self.model, batch, [it.parents for it in scheduled], keep)
         for it in scheduled:
             if not it.samples:
                 it.seq.num_cached += it.num_tokens  # a prefill chunk that does not reach the end

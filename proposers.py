@@ -207,7 +207,7 @@ class DraftModelProposer:
         forward finishes those alone (model.forward's keep; a catch-up chunk's are not read)."""
         ends = itertools.accumulate(len(tokens) for _, tokens, _ in batch)
         keep = torch.tensor([end - 1 for end in ends], device=engine.device)
-        hidden, _ = engine.forward(self.model, batch, None, keep)  # (no tree: chains)
+        hidden = engine.forward(self.model, batch, None, keep)  # (no tree: chains)
         for seq, tokens, start in batch:
             seq.num_draft_cached = start + len(tokens)
         return hidden

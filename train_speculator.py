@@ -31,7 +31,7 @@ def hidden_states(llm: LLM, token_ids: list[int]) -> torch.Tensor:
         f"{len(token_ids)} tokens do not fit in the free KV blocks",
     )
     try:
-        return llm.forward(llm.model, [(probe, token_ids, 0)])[0]
+        return llm.forward(llm.model, [(probe, token_ids, 0)])
     finally:
         llm.blocks.free(probe)
 

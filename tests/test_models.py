@@ -2,6 +2,7 @@
 # prefill chunk, several single-token decode steps and a verify-shaped multi-token step, block size
 # 4.
 import gc
+import itertools
 import os
 
 import pytest
@@ -47,8 +48,8 @@ def paged_logits(llm, batch_chunks):
                 assert llm.blocks.ensure_slots(seq, start + chunks[step])
                 batch.append((seq, tokens[start : start + chunks[step]], start))
         with torch.inference_mode():
-            hidden, query_start = llm.forward(llm.model, batch)
-            out = llm.model.lm_head(hidden)
+            out = llm.model.lm_head(llm.forward(llm.model, batch))
+        query_start = [0, *itertools.accumulate(len(tokens) for _, tokens, _ in batch)]
         for (seq, _, _), lo, hi in zip(batch, query_start[:-1], query_start[1:]):
             logits[seqs.index(seq)].append(out[lo:hi])
     return [torch.cat(parts) for parts in logits]
@@ -81,11 +82,11 @@ def test_forward_of_kept_rows_equals_those_rows_of_all(name, tmp_path):
     whole_seq, kept_seq = (Sequence(tokens + [20], SamplingParams(), "cpu") for _ in range(2))
     assert llm.blocks.ensure_slots(whole_seq, 12) and llm.blocks.ensure_slots(kept_seq, 12)
     with torch.inference_mode():
-        whole = llm.forward(llm.model, [(whole_seq, tokens, 0)])[0]
-        kept = llm.forward(llm.model, [(whole_seq, tokens, 0)], keep=torch.tensor([3, 10]))[0]
+        whole = llm.forward(llm.model, [(whole_seq, tokens, 0)])
+        kept = llm.forward(llm.model, [(whole_seq, tokens, 0)], keep=torch.tensor([3, 10]))
         nothing = torch.tensor([], dtype=torch.long)
-        none = llm.forward(llm.model, [(kept_seq, tokens, 0)], keep=nothing)[0]
-        after = llm.model.lm_head(llm.forward(llm.model, [(kept_seq, [20], 11)])[0])
+        none = llm.forward(llm.model, [(kept_seq, tokens, 0)], keep=nothing)
+        after = llm.model.lm_head(llm.forward(llm.model, [(kept_seq, [20], 11)]))
     assert torch.equal(kept, whole[[3, 10]]) and none.shape == (0, whole.shape[1])
     assert torch.equal(after[0], paged_logits(llm, [(tokens + [20], [12])])[0][-1])
 
