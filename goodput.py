@@ -111,20 +111,24 @@ class GoodputChooser:
 
 
 def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
-    """The request's own acceptance rate at draft positions 0..k-1 (given every earlier draft
-    accepted). Each position's rate is shrunk toward a prior, as if 3 earlier tries had gone that
-    way: the first toward a cautious 1/3, so a new request bets on long drafts only after it has
-    seen drafts accepted; each later one toward halfway between the rate before it and 1. A draft
-    whose earlier tokens all matched is likelier to match on (it is inside a repeated passage):
-    in the demo's n-gram runs the rates were about 0.9, 0.88, then 0.97-1.0 from the third
-    position on; on chat 0.25 then 0.6. The prior matters most where the request has no data: a
-    position it has not reached yet. When such a position simply inherited the rate before it,
+    """The request's own recent acceptance rate at draft positions 0..k-1 (given every earlier
+    draft accepted), from its last steps: each step counts HISTORY_DECAY (0.8) times less than the
+    one after it (sequence.py says why), so the estimate follows what the request writes now,
+    text it copies or text of its own. Each position's rate is shrunk toward a prior, as if 3
+    earlier tries had gone that way (against about 5 steps of memory: a first position accepted
+    every time reads 0.75, which keeps K moderate inside a long copy too): the first toward a
+    cautious 1/3, so a new request bets on long drafts only after it has seen drafts accepted;
+    each later one toward halfway between the rate before it and 1. A draft whose earlier tokens
+    all matched is likelier to match on (it is inside a repeated passage): in the demo's n-gram
+    runs the rates were about 0.9, 0.88, then 0.97-1.0 from the third position on; on chat 0.25
+    then 0.6. The prior matters most where the request has no data: a position it has not
+    reached yet. When such a position simply inherited the rate before it,
     a request that settled on K = 2 never learned that positions 3-8 were nearly free, and the
     same run drafted mostly 2 in one run and mostly 8 in the next (mean accepted length 2.4-3.0
     against 4.0-4.5)."""
     estimates, prior = [], 1 / 3
     for i in range(k):
-        rate = (seq.accepted_per_position[i] + 3 * prior) / (seq.reached_per_position[i] + 3)
+        rate = (seq.recent_accepted[i] + 3 * prior) / (seq.recent_reached[i] + 3)
         estimates.append(rate)
         prior = (1 + rate) / 2
     return estimates

@@ -57,6 +57,18 @@ class SamplingParams:
         controls.check_params(self)
 
 
+# How fast auto K forgets a request's acceptance: each spec step weighs 0.8 of the one after it (a
+# memory of about five steps). A request's drafts are accepted at very different rates as it goes:
+# the demo's answers copy a function, 2-6.6 tokens a step, then explain it in prose that neither
+# prompt holds, 1.1-1.6 (BENCHMARKS.md, session 45). Counted over its whole history, a request
+# that had copied went on drafting 3-8 tokens into its prose, and at batch 2 those rows took a
+# verify step past 6 rows, where on a Zen 3 (avx2) each row costs about a sixth of a plain step.
+# Forgetting, the demo's n-gram run took 0.76-0.90x the time (2.34-2.57 s against 2.60-3.15,
+# taking turns); summarization prompts at batch 1 and 4 and MT-bench at batch 1 and 8: the same
+# within the noise.
+HISTORY_DECAY = 0.8
+
+
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, device):
         self.token_ids = list(prompt_ids)
@@ -85,8 +97,10 @@ class Sequence:
         self.num_pruned = 0  # drafts the grammar cut before verification (not in num_drafted)
         self.grammar: controls.Grammar | None = None
         self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
-        # Per position: steps that drafted a token there after accepting every draft before it.
-        self.reached_per_position = Counter()
+        # What auto K's estimate (goodput.acceptance_estimate) reads, per position: steps that
+        # drafted a token there after accepting every draft before it (reached), and those that
+        # accepted it, each step weighted HISTORY_DECAY less for every spec step after it.
+        self.recent_reached, self.recent_accepted = Counter(), Counter()
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
 
     def __len__(self):
@@ -109,12 +123,16 @@ class Sequence:
     def count_spec_step(self, num_drafted: int, num_accepted: int, depth: int):
         """The counters of a step that verified num_drafted draft nodes, `depth` deep, and accepted
         a path of num_accepted (acceptance_estimate and RequestOutput read them)."""
-        self.reached_per_position.update(range(min(num_accepted + 1, depth)))
         self.num_spec_steps += 1
         self.num_drafted += num_drafted  # nodes verified
         self.num_accepted += num_accepted
         self.drafted_per_position.update(range(depth))  # per depth
         self.accepted_per_position.update(range(num_accepted))
+        for counts in (self.recent_reached, self.recent_accepted):
+            for position in counts:
+                counts[position] *= HISTORY_DECAY
+        self.recent_reached.update(range(min(num_accepted + 1, depth)))
+        self.recent_accepted.update(range(num_accepted))
 
     def check_stop(self, eos_ids, tokenizer, max_model_len: int, from_draft=False) -> bool:
         """Set finish_reason if the last token ends the request: EOS, a stop token, the grammar's

@@ -21,14 +21,29 @@ def test_acceptance_estimate_is_per_request_cautious_first_and_hopeful_deeper():
     seq = Sequence([1, 2, 3], SamplingParams(), "cpu")
     # Nothing seen yet: 1/3 for the first draft, then each prior halfway from the one before to 1.
     assert acceptance_estimate(seq, 3) == pytest.approx([1 / 3, 2 / 3, 5 / 6])
-    seq.reached_per_position.update([0, 0, 0, 0, 1])  # four steps reached position 0, one reached 1
-    seq.accepted_per_position.update([0, 0, 0, 0])  # all four accepted it; position 1 failed
+    seq.recent_reached.update([0, 0, 0, 0, 1])  # four steps reached position 0, one reached 1
+    seq.recent_accepted.update([0, 0, 0, 0])  # all four accepted it; position 1 failed
     a0 = (4 + 1) / (4 + 3)
     a1 = (0 + 3 * (1 + a0) / 2) / (1 + 3)  # one failure pulls its prior down
     # Position 2, never reached, is worth more than position 1: given positions 0 and 1 matched,
     # a third match is likelier (a request stuck at K = 2 would otherwise never try deeper).
     assert acceptance_estimate(seq, 3) == pytest.approx([a0, a1, (1 + a1) / 2])
     assert acceptance_estimate(seq, 3)[2] > acceptance_estimate(seq, 3)[1]
+
+
+def test_acceptance_estimate_follows_the_requests_recent_steps():
+    """A request that copied (every draft accepted) and now writes text of its own (every first
+    draft rejected) soon stops looking like a copier: each step counts 0.8 times the next."""
+    seq = Sequence([1, 2, 3], SamplingParams(), "cpu")
+    for _ in range(20):
+        seq.count_spec_step(3, 3, 3)
+    assert acceptance_estimate(seq, 3)[0] == pytest.approx(0.75, abs=0.01)  # 5 steps' memory
+    for _ in range(5):
+        seq.count_spec_step(3, 0, 3)
+    # All 25 steps alike would read (20 + 1) / (25 + 3) = 0.75; the last five weigh most.
+    assert acceptance_estimate(seq, 3)[0] == pytest.approx(0.33, abs=0.01)
+    # What the request reports still counts every step.
+    assert seq.accepted_per_position[0] == 20 and seq.drafted_per_position[0] == 25
 
 
 def test_chooser_turns_speculation_off_when_verification_is_expensive():
