@@ -393,10 +393,14 @@ class LLMEngine:
         chooser = self.scheduler.chooser
         if chooser and all(it.num_tokens == 1 for it in scheduled):  # time decode-shaped steps only
             # Verification is all the rest of the step: each draft also costs a logits row, its
-            # share of accepting and committing.
-            chooser.observe_step(
-                scheduled, batch, proposed - started, clock(self.device) - proposed
-            )
+            # share of accepting and committing. Drafting costs per draft step only where a model
+            # drafts; a lookup's (0.1-0.6 ms a step, whatever K) counts as free: timed per draft,
+            # the first steps' single drafts made 8 look 5 ms dearer, and the noise of those
+            # sub-millisecond timings gave the demo 82-93 steps from run to run (81 every run
+            # without; BENCHMARKS.md, session 45).
+            model_drafts = isinstance(self.proposer, (DraftModelProposer, MLPProposer))
+            drafting = proposed - started if model_drafts else 0.0
+            chooser.observe_step(scheduled, batch, drafting, clock(self.device) - proposed)
         return [it.seq for it in sampling if it.seq.finish_reason is not None]
 
     # -- commit -----------------------------------------------------------------------------
