@@ -177,6 +177,9 @@ def test_auto_k_keeps_greedy_output(models):
         outs = llm.generate(prompts(6), GREEDY, use_progress=False)
         assert [o.token_ids for o in outs] == expected
         assert sum(llm.k_histogram.values()) == llm.stats["steps"]
+        # A model's drafts are timed per draft step; a lookup's count as free (LLMEngine.step).
+        draft_time = llm.scheduler.chooser.draft_time
+        assert (max(draft_time.values()) > 0) == (draft != "ngram"), draft_time
 
 
 def test_new_requests_try_drafts_before_the_chooser_may_refuse(models):
