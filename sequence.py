@@ -63,9 +63,10 @@ class SamplingParams:
 # prompt holds, 1.1-1.6 (BENCHMARKS.md, session 45). Counted over its whole history, a request
 # that had copied went on drafting 3-8 tokens into its prose, and at batch 2 those rows took a
 # verify step past 6 rows, where on a Zen 3 (avx2) each row costs about a sixth of a plain step.
-# Forgetting, the demo's n-gram run took 0.76-0.90x the time (2.34-2.57 s against 2.60-3.15,
-# taking turns); summarization prompts at batch 1 and 4 and MT-bench at batch 1 and 8: the same
-# within the noise.
+# Forgetting, the demo's n-gram run verified 422-442 rows instead of 498-514 (its decode 0.92x the
+# time at the start-up profile's step costs; timed in fresh processes taking turns, 0.76-1.29x,
+# median 0.90 of 15 pairs, as this host's phases move a run by 20%). Summarization prompts at
+# batch 1 and 4 and MT-bench at batch 1 and 8: the same within the noise.
 HISTORY_DECAY = 0.8
 
 
