@@ -122,10 +122,9 @@ def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
     all matched is likelier to match on (it is inside a repeated passage): in the demo's n-gram
     runs the rates were about 0.9, 0.88, then 0.97-1.0 from the third position on; on chat 0.25
     then 0.6. The prior matters most where the request has no data: a position it has not
-    reached yet. When such a position simply inherited the rate before it,
-    a request that settled on K = 2 never learned that positions 3-8 were nearly free, and the
-    same run drafted mostly 2 in one run and mostly 8 in the next (mean accepted length 2.4-3.0
-    against 4.0-4.5)."""
+    reached yet. When such a position simply inherited the rate before it, a request that settled
+    on K = 2 never learned that positions 3-8 were nearly free, and the same run drafted mostly 2
+    in one run and mostly 8 in the next (mean accepted length 2.4-3.0 against 4.0-4.5)."""
     estimates, prior = [], 1 / 3
     for i in range(k):
         rate = (seq.recent_accepted[i] + 3 * prior) / (seq.recent_reached[i] + 3)
