@@ -124,10 +124,23 @@ def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
     then 0.6. The prior matters most where the request has no data: a position it has not
     reached yet. When such a position simply inherited the rate before it, a request that settled
     on K = 2 never learned that positions 3-8 were nearly free, and the same run drafted mostly 2
-    in one run and mostly 8 in the next (mean accepted length 2.4-3.0 against 4.0-4.5)."""
-    estimates, prior = [], 1 / 3
+    in one run and mostly 8 in the next (mean accepted length 2.4-3.0 against 4.0-4.5).
+
+    Under n-gram lookup the counts and the first prior are kept apart by the length of this
+    step's match (seq.strong_match): a 1-token match is a weak guess and a longer one often lies
+    inside a copied passage (replaying the summarization prompts', the demo's and MT-bench's greedy
+    outputs, the first draft was accepted 16-32% of the time after a 1-token match, 30-79% after
+    2 tokens, 74-97% after 4 or more). So a request that alternates between
+    copying and writing prices each kind of step by its own recent record, the first prior 1/4
+    for a weak match and 2/3 for a strong one. In the engine, its decode steps priced at one
+    start-up profile's costs (so this host's phases do not move them), the summarization prompts'
+    decode took 0.98x the time at batch 1 and 0.94x at batch 4, MT-bench's and the demo's 1.00x
+    (the same output, checked; priors of 1/6-1/4 and 1/2-3/4 did no better; BENCHMARKS.md,
+    session 46)."""
+    estimates, prior = [], {None: 1 / 3, False: 1 / 4, True: 2 / 3}[seq.strong_match]
     for i in range(k):
-        rate = (seq.recent_accepted[i] + 3 * prior) / (seq.recent_reached[i] + 3)
+        key = (seq.strong_match, i)
+        rate = (seq.recent_accepted[key] + 3 * prior) / (seq.recent_reached[key] + 3)
         estimates.append(rate)
         prior = (1 + rate) / 2
     return estimates

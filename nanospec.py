@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -49,6 +50,8 @@ class Scheduler:
     spec_tree_nodes: int  # > 0: coupled requests verify trees of up to this many nodes
     stats: Counter  # the engine's counters (preemptions)
     chooser: GoodputChooser | None = None
+    # The n-gram proposer's strong_match (else None): auto K keeps each kind of match's record
+    strong_match: Callable[[Sequence], bool] | None = None
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
 
@@ -66,6 +69,8 @@ class Scheduler:
         ]
         ks = caps
         if self.chooser and decoding:
+            for s in decoding:
+                s.strong_match = self.strong_match(s) if self.strong_match else None
             estimates = [acceptance_estimate(s, cap) for s, cap in zip(decoding, caps)]
             ks = self.chooser.choose(estimates, [len(s) for s in decoding])
         ks = dict(zip(decoding, ks))
@@ -309,6 +314,8 @@ class LLMEngine:
             self.scheduler.chooser = GoodputChooser(
                 k_max, *step_costs(self, c.max_num_seqs * (k_max + 1))
             )
+            if c.draft == "ngram":
+                self.scheduler.strong_match = self.proposer.strong_match
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(

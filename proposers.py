@@ -38,6 +38,13 @@ class NgramProposer:
                 tokens, item.num_spec, item.max_depth, item.branches, item.seq
             )
 
+    def strong_match(self, seq) -> bool:
+        """Whether the request's last 2 tokens occur earlier in it (a match of 2 or more tokens).
+        Its drafts then usually copy a passage; after a 1-token match they are a weak guess (see
+        tree). Auto K keeps apart the acceptance of steps after each (acceptance_estimate)."""
+        tokens = np.asarray(seq.token_ids)
+        return suffix_matches(tokens, tokens, 2)[0] >= 2
+
     def tree(
         self, tokens: np.ndarray, budget: int, depth: int, branches: int, seq=None
     ) -> tuple[list[int], list[int]]:

@@ -98,10 +98,14 @@ class Sequence:
         self.num_pruned = 0  # drafts the grammar cut before verification (not in num_drafted)
         self.grammar: controls.Grammar | None = None
         self.accepted_per_position, self.drafted_per_position = Counter(), Counter()
-        # What auto K's estimate (goodput.acceptance_estimate) reads, per position: steps that
-        # drafted a token there after accepting every draft before it (reached), and those that
-        # accepted it, each step weighted HISTORY_DECAY less for every spec step after it.
+        # What auto K's estimate (goodput.acceptance_estimate) reads, per (strong_match,
+        # position): steps that drafted a token there after accepting every draft before it
+        # (reached), and those that accepted it, each step weighted HISTORY_DECAY less for every
+        # spec step after it.
         self.recent_reached, self.recent_accepted = Counter(), Counter()
+        # Whether this step's n-gram match is 2 tokens or longer (None: a proposer without such a
+        # notion), set by the scheduler before it chooses K (NgramProposer.strong_match says why).
+        self.strong_match: bool | None = None
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
 
     def __len__(self):
@@ -130,10 +134,12 @@ class Sequence:
         self.drafted_per_position.update(range(depth))  # per depth
         self.accepted_per_position.update(range(num_accepted))
         for counts in (self.recent_reached, self.recent_accepted):
-            for position in counts:
-                counts[position] *= HISTORY_DECAY
-        self.recent_reached.update(range(min(num_accepted + 1, depth)))
-        self.recent_accepted.update(range(num_accepted))
+            for key in counts:
+                counts[key] *= HISTORY_DECAY
+        self.recent_reached.update(
+            (self.strong_match, i) for i in range(min(num_accepted + 1, depth))
+        )
+        self.recent_accepted.update((self.strong_match, i) for i in range(num_accepted))
 
     def check_stop(self, eos_ids, tokenizer, max_model_len: int, from_draft=False) -> bool:
         """Set finish_reason if the last token ends the request: EOS, a stop token, the grammar's

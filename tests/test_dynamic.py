@@ -8,6 +8,7 @@ from test_engine import GREEDY, prompts
 import goodput
 from goodput import GoodputChooser, acceptance_estimate, interpolate, profile_step_costs
 from nanospec import LLM
+from proposers import NgramProposer
 from sequence import SamplingParams, Sequence
 
 
@@ -21,8 +22,9 @@ def test_acceptance_estimate_is_per_request_cautious_first_and_hopeful_deeper():
     seq = Sequence([1, 2, 3], SamplingParams(), "cpu")
     # Nothing seen yet: 1/3 for the first draft, then each prior halfway from the one before to 1.
     assert acceptance_estimate(seq, 3) == pytest.approx([1 / 3, 2 / 3, 5 / 6])
-    seq.recent_reached.update([0, 0, 0, 0, 1])  # four steps reached position 0, one reached 1
-    seq.recent_accepted.update([0, 0, 0, 0])  # all four accepted it; position 1 failed
+    # (keyed by the step's n-gram match strength and position: None, no n-gram proposer)
+    seq.recent_reached.update([(None, 0)] * 4 + [(None, 1)])  # 4 reached position 0, 1 reached 1
+    seq.recent_accepted.update([(None, 0)] * 4)  # all four accepted it; position 1 failed
     a0 = (4 + 1) / (4 + 3)
     a1 = (0 + 3 * (1 + a0) / 2) / (1 + 3)  # one failure pulls its prior down
     # Position 2, never reached, is worth more than position 1: given positions 0 and 1 matched,
@@ -44,6 +46,28 @@ def test_acceptance_estimate_follows_the_requests_recent_steps():
     assert acceptance_estimate(seq, 3)[0] == pytest.approx(0.33, abs=0.01)
     # What the request reports still counts every step.
     assert seq.accepted_per_position[0] == 20 and seq.drafted_per_position[0] == 25
+
+
+def test_acceptance_estimate_keeps_strong_and_weak_ngram_matches_apart():
+    """Under n-gram lookup, a request's steps after a 1-token match (weak) and after a longer one
+    (strong) keep separate records, each from its own prior: copying does not make the weak
+    guesses between copied passages look good, nor they the copying bad."""
+    proposer = NgramProposer(1, 4)
+    seq = Sequence([5, 6, 7, 5, 6], SamplingParams(), "cpu")
+    assert proposer.strong_match(seq)  # "5 6" came before
+    seq.token_ids[-2] = 8
+    assert not proposer.strong_match(seq)  # "6" came before, "8 6" did not
+    for seq.strong_match, first in ((None, 1 / 3), (False, 1 / 4), (True, 2 / 3)):
+        assert acceptance_estimate(seq, 1) == pytest.approx([first])
+    for _ in range(10):  # strong matches copy, weak ones fail at once
+        seq.strong_match = True
+        seq.count_spec_step(3, 3, 3)
+        seq.strong_match = False
+        seq.count_spec_step(2, 0, 2)
+    seq.strong_match = True
+    assert acceptance_estimate(seq, 3)[0] > 0.8
+    seq.strong_match = False
+    assert acceptance_estimate(seq, 3)[0] < 0.15
 
 
 def test_chooser_turns_speculation_off_when_verification_is_expensive():
@@ -180,6 +204,8 @@ def test_auto_k_keeps_greedy_output(models):
         # A model's drafts are timed per draft step; a lookup's count as free (LLMEngine.step).
         draft_time = llm.scheduler.chooser.draft_time
         assert (max(draft_time.values()) > 0) == (draft != "ngram"), draft_time
+        # Only n-gram lookup has matches whose strength auto K keeps apart.
+        assert (llm.scheduler.strong_match is not None) == (draft == "ngram")
 
 
 def test_new_requests_try_drafts_before_the_chooser_may_refuse(models):
@@ -198,6 +224,7 @@ def test_new_requests_try_drafts_before_the_chooser_may_refuse(models):
     seqs = [llm.add_request(p, GREEDY) for p in prompts(3)]
     while llm.has_unfinished():
         ks = llm.scheduler.choose_k()
+        assert all(isinstance(s.strong_match, bool) for s in ks)  # asked before choosing
         # one request a step, if any is untried
         probes = 1 if any(s.num_spec_steps < 2 for s in ks) else 0
         assert sorted(ks.values()) == [0] * (len(ks) - probes) + [1] * probes
