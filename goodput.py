@@ -130,13 +130,12 @@ def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
     step's match (seq.strong_match): a 1-token match is a weak guess and a longer one often lies
     inside a copied passage (replaying the summarization prompts', the demo's and MT-bench's greedy
     outputs, the first draft was accepted 16-32% of the time after a 1-token match, 30-79% after
-    2 tokens, 74-97% after 4 or more). So a request that alternates between
-    copying and writing prices each kind of step by its own recent record, the first prior 1/4
-    for a weak match and 2/3 for a strong one. In the engine, its decode steps priced at one
-    start-up profile's costs (so this host's phases do not move them), the summarization prompts'
-    decode took 0.98x the time at batch 1 and 0.94x at batch 4, MT-bench's and the demo's 1.00x
-    (the same output, checked; priors of 1/6-1/4 and 1/2-3/4 did no better; BENCHMARKS.md,
-    session 46)."""
+    2 tokens, 74-97% after 4 or more). So a request that alternates between copying and writing
+    prices each kind of step by its own recent record, the first prior 1/4 for a weak match and
+    2/3 for a strong one. In the engine, its decode steps priced at one start-up profile's costs
+    (so this host's phases do not move them), the summarization prompts' decode took 0.98x the
+    time at batch 1 and 0.94x at batch 4, MT-bench's and the demo's 1.00x (the same output,
+    checked; priors of 1/6-1/4 and 1/2-3/4 did no better; BENCHMARKS.md, session 46)."""
     estimates, prior = [], {None: 1 / 3, False: 1 / 4, True: 2 / 3}[seq.strong_match]
     for i in range(k):
         key = (seq.strong_match, i)
