@@ -42,7 +42,7 @@ def read_workload(spec: str, chat_tokenizer=None) -> list[str]:
 
 
 def run_nanospec(llm: LLM, prompts, params):
-    """One run of all prompts submitted at once (batch = len(prompts))."""
+    """One run of all prompts submitted at once (batch: at most the engine's max_num_seqs)."""
     llm.k_histogram.clear()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_progress=False)

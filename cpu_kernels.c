@@ -1,9 +1,10 @@
 // CPU kernels: the linear layers (weight streaming), paged attention for every query shape, and
-// RMSNorm and rotary. kernels.py compiles this file once per ISA (AVX-512, AVX2 + FMA, or
-// generic) and calls it through ctypes; each function keeps the contract of a torch_* reference
-// there. Every output is computed by one fixed chain of arithmetic that never depends on how many
-// rows, queries or threads the call has: that is what makes speculation bit-exact (DESIGN.md,
-// "Exactness"). The caller owns every buffer; nothing here allocates or keeps state.
+// RMSNorm and rotary. kernels.py compiles this file once per ISA (AMX, AVX512-BF16, AVX-512,
+// AVX2 + FMA, or generic) and calls it through ctypes; each function keeps the contract of a
+// torch_* reference there. Every output is computed by one fixed chain of arithmetic that never
+// depends on how many rows, queries or threads the call has: that is what makes speculation
+// bit-exact (DESIGN.md, "Exactness"). The caller owns every buffer; nothing here allocates or
+// keeps state.
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -158,22 +159,23 @@ static inline vf exp_vf(vf x) {
 // Sapphire Rapids. On the Zen 3 (avx2) the hints are within 2% of each other at T=1-256
 // (BENCHMARKS.md, session 39).
 #define AHEAD 32
-// A verify step of 7-18 rows in 2-3 row blocks of 6 (17-18 on AVX-512) walks each panel in chunks
-// of CHUNK pairs of k (4 KB of fp16 weights), every row block through a chunk before the next
-// chunk, the blocks' accumulators kept in `sums` between chunks. The second block's pass then reads
-// the chunk from L1 while the first block's prefetches keep the memory stream going; with each
-// block walking the whole panel, memory sat idle while the later blocks re-read it from cache. A
-// T=9 forward 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6 instead of 31.0-33.2 on avx512,
-// on a Sapphire Rapids Xeon (chunks of 8 to 128 pairs no faster there; BENCHMARKS.md, session 22).
-// Storing and reloading an fp32 sum keeps its bits: the chain is the same. The later blocks
-// prefetch a chunk further ahead than the first (AHEAD + CHUNK pairs), so that memory streams
-// through their passes too: the first block's prefetches then find the next chunk on its way (30
-// matrices of 3072 x 576 at M=9, from DRAM, paired over 20-30 rounds beside an identical control
-// build: 2.2% faster on avx2, 2.1% on avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26).
-// Chunks of 64 pairs, not 16: on a Zen 3 (avx2, native), the default model's linears at 7-13 rows
-// took 0.93-0.94x the time, T=9 forwards 0.93x, 5 rows (no chunks) 1.00x (taking turns with 16
-// every call, 150 pairs); 32 and 128 pairs of k were slower than 64. Each chunk's restart (the sums
-// stored and reloaded, the loop's ramp) comes a quarter as often (BENCHMARKS.md, session 38).
+// A verify step of 7-18 rows in 2-3 row blocks (ROW_BLOCK; on AVX-512 only 17-18 rows take more
+// than one) walks each panel in chunks of CHUNK pairs of k (4 KB of fp16 weights), every row block
+// through a chunk before the next chunk, the blocks' accumulators kept in `sums` between chunks.
+// The second block's pass then reads the chunk from L1 while the first block's prefetches keep the
+// memory stream going; with each block walking the whole panel, memory sat idle while the later
+// blocks re-read it from cache. A T=9 forward 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6
+// instead of 31.0-33.2 on avx512, on a Sapphire Rapids Xeon (chunks of 8 to 128 pairs no faster
+// there; BENCHMARKS.md, session 22). Storing and reloading an fp32 sum keeps its bits: the chain is
+// the same. The later blocks prefetch a chunk further ahead than the first (AHEAD + CHUNK pairs),
+// so that memory streams through their passes too: the first block's prefetches then find the next
+// chunk on its way (30 matrices of 3072 x 576 at M=9, from DRAM, paired over 20-30 rounds beside an
+// identical control build: 2.2% faster on avx2, 2.1% on avx512bf16; M=13 2.9% and 0.9%;
+// BENCHMARKS.md, session 26). Chunks of 64 pairs, not 16: on a Zen 3 (avx2, native), the default
+// model's linears at 7-13 rows took 0.93-0.94x the time, T=9 forwards 0.93x, 5 rows (no chunks)
+// 1.00x (taking turns with 16 every call, 150 pairs); 32 and 128 pairs of k were slower than 64.
+// Each chunk's restart (the sums stored and reloaded, the loop's ramp) comes a quarter as often
+// (BENCHMARKS.md, session 38).
 #define CHUNK 64
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
@@ -281,8 +283,8 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
             for (int64_t m0 = 0; m0 < M; m0 += block) {
                 int rows = M - m0 < block ? (int)(M - m0) : (int)block;
                 int64_t kp1 = kp0 + chunk < K2 ? kp0 + chunk : K2;
-// (each row block's sums at its own rows; past 18 rows there are no chunks, each tile's sums go to
-// y at once, and m0 % 18 just keeps them inside the array)
+// (each row block's sums at its own rows; past 3 * MAX_ROWS rows (18; 6 on the generic build) there
+// are no chunks, each tile's sums go to y at once, and the modulo just keeps them in the array)
 #define TILES(W, WT)                                                                               \
     tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + m0 % (3 * MAX_ROWS) * PV, rows, WT,   \
               y_bf16)
@@ -391,7 +393,7 @@ static inline vf silu_mul_vf(const char *p, int64_t half, int type) {
 
 // x: fp32 rows of K (even; kernels.py pads), or bf16 rows (x_bf16: AMX or AVX512-BF16's dot
 // product, W bf16 too). amx: the tiles take the product (an amx build, K a multiple of 32, bf16 x
-// or fp16 weights: kernels.c_linear decides); fp32 x is split into halves, x_hi rows first. W
+// or fp16 weights: kernels.linear_args decides); fp32 x is split into halves, x_hi rows first. W
 // packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32 or bf16 (y_bf16).
 // scratch: K * 32 floats a thread, after M * K for x's copy (up to 18 rows, or AMX's halves:
 // kernels.c_linear). What changes from call to call comes first; the layer's own come as one
@@ -460,7 +462,7 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
         else
 #endif
 #define PANELS(WT) linear_panels(rows, w, bias, y, M, N, K2, first, last, own, WT, y_bf16)
-            // one instance per weight type (fp16 only reaches a build with F16C: kernels.c_linear)
+            // an instance per weight type (fp16 only on a build with F16C: kernels.linear_args)
             x_bf16 ? PANELS(3) : wt == 1 ? PANELS(1) : wt == 2 ? PANELS(2) : PANELS(0);
     }
 }

@@ -433,8 +433,8 @@ def cpu_scratch(floats: int) -> torch.Tensor:
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     """k, v: [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] (any strides: the engine's
     are views of head-major storage, paged_kv.allocate_kv_cache) at flat slots, rounded to the
-    cache's dtype (kv_cache_dtype). A pure copy, so one implementation (torch's scatter) serves
-    every device."""
+    cache's dtype (kv_cache_dtype). A pure copy: torch's scatter, for the torch path (the C kernel
+    stores inside paged_attention, and on a GPU triton_rotary_store does it with the rotary)."""
     blocks, offsets = slot_mapping // k_cache.shape[1], slot_mapping % k_cache.shape[1]
     k_cache[blocks, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, offsets] = v.to(v_cache.dtype)

@@ -47,7 +47,7 @@ class Scheduler:
     max_model_len: int
     num_spec_tokens: int | str  # K for every request, or "auto": the chooser's
     spec_disable_batch_size: int | None  # K = 0 while more sequences than this run
-    spec_tree_nodes: int  # > 0: coupled requests verify trees of up to this many nodes
+    spec_tree_nodes: int  # > 0: coupled requests verify trees of up to max(this, K) nodes
     stats: Counter  # the engine's counters (preemptions)
     chooser: GoodputChooser | None = None
     # The n-gram proposer's strong_match (else None): auto K keeps each kind of match's record
@@ -222,11 +222,14 @@ class EngineConfig:
         if self.num_spec_tokens is None:  # a draft without a K: auto
             self.num_spec_tokens = "auto" if self.draft else 0
         k, draft = self.num_spec_tokens, self.draft
-        k_max = k if isinstance(k, int) else 8  # 8: auto's largest K
+        # 8: auto's largest K for a lookup or a draft model (an MLP speculator's: its n_predict)
+        k_max = k if isinstance(k, int) else 8
         for name in ("block_size", "max_num_seqs", "num_blocks", "max_model_len"):
             value = getattr(self, name)  # (None, where allowed: the default)
             require(value is None or value >= 1, f"{name} must be >= 1, got {value}")
         require(self.kv_cache_gib > 0, f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        suffix_max = self.suffix_max_requests
+        require(suffix_max >= 0, f"suffix_max_requests must be >= 0, got {suffix_max}")
         # (before any model loads: a missing CUDA otherwise surfaces as a pinned-memory error)
         device = str(self.device)  # ("cuda:1", or a torch.device)
         kind = device.split(":")[0]
@@ -559,19 +562,20 @@ def parse_args(argv=None):
         help="K drafts per step, or 'auto' (the default with --draft)",
     )
     p.add_argument(
-        "--spec-tree-nodes", type=int, help="verify a tree of up to N drafts (ngram, suffix)"
+        "--spec-tree-nodes", type=int, help="verify trees of up to max(N, K) nodes (ngram, suffix)"
     )
     p.add_argument(
         "--spec-disable-batch-size",
         type=int,
         help="run without speculation while more than this many sequences are running",
     )
-    for name in ("top-p", "repetition-penalty", "presence-penalty", "frequency-penalty", "min-p"):
+    floats = "top-p repetition-penalty presence-penalty frequency-penalty min-p kv-cache-gib"
+    for name in floats.split():
         p.add_argument(f"--{name}", type=float)
     p.add_argument("--json-schema", help="a JSON schema file: the output is JSON that validates")
     p.add_argument("--regex", help="the output matches this regular expression")
     sizes = "block-size num-blocks max-num-seqs max-num-batched-tokens max-model-len".split()
-    for name in ["top-k", "seed"] + sizes + ["ngram-min", "ngram-max"]:
+    for name in ["top-k", "seed"] + sizes + ["ngram-min", "ngram-max", "suffix-max-requests"]:
         p.add_argument(f"--{name}", type=int)
     return p.parse_args(argv)
 

@@ -12,8 +12,8 @@ from sequence import SamplingParams, ScheduledSeq, Sequence
 
 
 def logits_to_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """[R, V] logits of rows owned by seqs -> float32 probs. Greedy rows become one-hot argmax,
-    which makes the rejection sampler reduce exactly to "accept while draft == argmax"."""
+    """[R, V] logits of rows owned by seqs -> float32 probs. Greedy rows become one-hot argmax (a
+    greedy draft model's draft probabilities; greedy verification itself takes accept_coupled)."""
     params = [s.params for s in seqs]
     if all(p.temperature == 0 for p in params):  # an all-greedy batch needs no softmax
         return one_hot_argmax(logits)

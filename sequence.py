@@ -80,7 +80,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.last_hidden = None  # target hidden state that produced the last token (MLP proposer)
         # The seed keys the noise of each position (position_noise); unseeded requests also draw
-        # the rejection sampler's uniforms and noise from the generator.
+        # the rejection sampler's uniforms from the generator.
         self.seed = params.seed if params.seed is not None else torch.randint(2**62, ()).item()
         self.generator = torch.Generator(device=device).manual_seed(self.seed)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None

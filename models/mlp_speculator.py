@@ -74,8 +74,8 @@ class MLPSpeculator(nn.Module):
         if self.vocab_ids is None:
             return state, logits
         # A reduced head scores only its tokens; every other token gets -inf, so it is never
-        # proposed. That never costs correctness: the rejection sampler is lossless for any draft
-        # distribution.
+        # proposed. That never costs correctness: acceptance (coupled, or the rejection sampler) is
+        # lossless for any draft distribution.
         full = logits.new_full((len(logits), self.vocab_size), float("-inf"))
         return state, full.index_copy_(1, self.vocab_ids, logits)
 

@@ -1,6 +1,7 @@
 # Every request mix runs or fails clearly (issue 16): each test here failed before its fix. Output
 # equals plain decoding, or the error is a ValueError (exit 2 at the CLI) naming the problem;
 # nothing leaks.
+import dataclasses
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from test_engine import GREEDY, prompts
 
 from models import Tokenizer
-from nanospec import LLM, SamplingParams, main
+from nanospec import LLM, EngineConfig, SamplingParams, main, parse_args
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +101,20 @@ def test_bad_engine_args_fail_before_any_model_loads(kwargs, message):
         (["--num-spec-tokens", "x", "--draft", "ngram"], "num_spec_tokens"),
         (["--ngram-max", "0", "--draft", "ngram"], "ngram_min <= ngram_max"),
         (["--seed", str(2**70)], "SamplingParams.seed"),
+        (["--kv-cache-gib", "0"], "kv_cache_gib"),
+        (["--suffix-max-requests", "-1", "--draft", "suffix"], "suffix_max_requests"),
     ],
 )
 def test_cli_rejects_bad_engine_args_with_exit_2(args, message, capsys):
     assert main(["--model", "/no/such/model", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("nanospec: error:") and message in err and "Traceback" not in err
+
+
+def test_cli_has_a_flag_per_engine_setting():
+    # EngineConfig's promise, and what makes "raise kv_cache_gib" advice usable from the CLI
+    flags = vars(parse_args([]))
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= flags.keys()
 
 
 def test_request_k_is_a_cap_not_a_switch(target):
