@@ -4,7 +4,9 @@
 # and in a batch of 8 where requests with and without controls and grammars run together, in fp32
 # and bf16. Also: the unseeded rejection path stays within the grammar, and bad requests fail
 # alone.
+import dataclasses
 import json
+import re
 
 import pytest
 import tiny
@@ -98,15 +100,21 @@ def test_controls_and_grammars_keep_plain_output(spec, target, drafts, plain):  
         assert all(o.num_accepted_tokens == o.num_draft_tokens for o in outs)
 
 
-def test_grammar_output_is_valid_and_ends_the_request(plain):
-    _, want = plain
+def test_grammar_output_is_valid_and_ends_the_request(plain, target):  # noqa: F811
+    dtype, want = plain
     for batch in (1, 8):
-        schema_out, choice_out, grammar_out = (want[batch][i] for i in (3, 5, 7))
-        if schema_out[2] == "stop":
-            record = json.loads(text(schema_out[0]))
-            assert set(record) == set(SCHEMA["properties"]) and record["kind"] in ("ab", "cd", "ef")
-        assert choice_out[2] == "stop"
-        assert text(choice_out[0]) in PARAMS[5].choice
+        choice_out, grammar_out = want[batch][5], want[batch][7]
+        assert choice_out[2] == "stop" and text(choice_out[0]) in PARAMS[5].choice
+        assert grammar_out[2] == "stop" and re.fullmatch("(ab|cd|abc)+", text(grammar_out[0]))
+    # The schema's request ends by length within 32 characters (its shortest JSON has 46); given
+    # room, its JSON completes, the request stops and the record validates.
+    llm = LLM(target[0], dtype=dtype, block_size=2, num_blocks=256)
+    params = dataclasses.replace(PARAMS[3], max_tokens=160)
+    out = llm.generate([prompts()[3]], params, use_progress=False)[0]
+    assert out.finish_reason == "stop"
+    record = json.loads(text(out.token_ids))
+    assert set(record) == set(SCHEMA["properties"]) and record["kind"] in ("ab", "cd", "ef")
+    assert isinstance(record["id"], int) and "x" in record["inner"] and len(record["tags"]) <= 3
 
 
 def test_grammar_cuts_are_counted_apart_from_verified_drafts(target):  # noqa: F811

@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_kernels import DEVICE, X_AND_W_DTYPES, make_paged_batch, rebuild_cpu_kernels
+from test_kernels import DEVICE, X_AND_W_DTYPES, c_rotary, make_paged_batch, rebuild_cpu_kernels
 
 import kernels
 
@@ -295,6 +295,8 @@ def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
     if impl == "torch" and dtype == torch.float16:
         pytest.skip("no fp16 CPU model path")
     ops = {name: getattr(kernels, f"{impl}_{name}", None) for name in ("rms_norm", "rotary")}
+    if impl == "c":  # (the C rotary runs inside the attention call: read back from its cache)
+        ops["rotary"] = c_rotary
     ops["silu_mul"] = kernels.silu_mul if impl == "torch" else None  # the one implementation
     device = DEVICE if impl == "triton" else "cpu"
     x = torch.randn(300, 96, device=device).to(dtype)
@@ -305,7 +307,7 @@ def test_norm_rotary_silu_rows_are_invariant(impl, dtype):
         lambda rows: ops["rms_norm"](rows.clone(), weight, 1e-6, rows.flip(1))[0], x, counts
     )
     cos_sin = torch.randn(300, 16, device=device).to(dtype)
-    if ops["rotary"] is not None:  # Triton has no elementwise kernels, C no silu_mul
+    if ops["rotary"] is not None:  # (Triton's is fused with the KV store; C has no silu_mul)
         assert_rows_invariant(
             lambda rows: ops["rotary"](rows.view(-1, 6, 16), cos_sin[: len(rows)]), x, counts
         )
