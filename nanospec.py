@@ -735,11 +735,13 @@ def main(argv=None) -> int:
         if args.json_schema:
             given["json_schema"] = open(args.json_schema).read()
         params = SamplingParams(**given)
-        llm = LLM(**settings)
         prompts = args.prompt + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+        conversation = args.chat and not prompts
+        require(not (conversation and args.json), "--json needs prompts: a conversation has none")
+        llm = LLM(**settings)
         if args.chat:
             require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
-            if not prompts:
+            if conversation:
                 return chat(llm, params, console)
             prompts = [
                 llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts

@@ -102,6 +102,7 @@ def test_bad_engine_args_fail_before_any_model_loads(kwargs, message):
         (["--ngram-max", "0", "--draft", "ngram"], "ngram_min <= ngram_max"),
         (["--seed", str(2**70)], "SamplingParams.seed"),
         (["--kv-cache-gib", "0"], "kv_cache_gib"),
+        (["--chat", "--json", "out.json"], "--json needs prompts"),
         (["--suffix-max-requests", "-1", "--draft", "suffix"], "suffix_max_requests"),
     ],
 )
