@@ -80,10 +80,11 @@ def accept(sampling: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple[lis
     starts = [0, *itertools.accumulate(len(it.drafts) + 1 for it in sampling)]
     paths = [(it.seq, controls.row_paths(it.drafts, it.parents)) for it in sampling]
     logits = controls.apply(paths, logits)  # rows of requests with controls or a grammar
-    # The step's one host sync. On a CPU by numpy's argmax (SIMD; the first of equal maxima or
-    # the first NaN, as torch's max), not torch's max(-1), a scalar loop: 5 us against 51 for a
-    # decode step's row of the default model's 49,152 logits, 31 against 444 for a verify step's
-    # 8 rows, 2% of that step (bf16 rows, widened first: 74 against 286 us; session 40).
+    # The step's one host sync where every row is greedy (a sampled row adds its own draws). The
+    # argmax: on a CPU by numpy's argmax (SIMD; the first of equal maxima or the first NaN, as
+    # torch's max), not torch's max(-1), a scalar loop: 5 us against 51 for a decode step's row of
+    # the default model's 49,152 logits, 31 against 444 for a verify step's 8 rows, 2% of that step
+    # (bf16 rows, widened first: 74 against 286 us; session 40).
     best = (logits.float().numpy().argmax(-1) if logits.is_cpu else logits.max(-1).indices).tolist()
     return [
         accept_coupled(it, logits[a:b], best[a:b])
