@@ -47,10 +47,9 @@ static inline float get(const void *p, int64_t i, int is_bf16) {  // element i: 
     return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u = ((u32x1)(f32x1){f})[0];
-    return (bf16)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
+// fp32 bits u (a uint32 or a vector of them) rounded to bf16's bits: to nearest even, as torch does
+#define ROUND_BF16(u) (((u) + 0x7FFF + (((u) >> 16) & 1)) >> 16)
+static inline bf16 to_bf16(float f) { return ROUND_BF16(((u32x1)(f32x1){f})[0]); }
 
 // LANES values of type 0 (fp32), 1 (bf16: a shift) or 2 (fp16: F16C's vcvtph2ps, every build but
 // the generic one), widened to fp32 exactly.
@@ -65,9 +64,8 @@ static inline vf load_vf(const void *p, const int type) {
 }
 
 static inline void store_vf(void *p, vf v, int is_bf16) {  // rounded to nearest even for bf16
-    vu u = (vu)v;
     if (is_bf16)
-        *(vh_u *)p = __builtin_convertvector((u + 0x7FFF + ((u >> 16) & 1)) >> 16, vh);
+        *(vh_u *)p = __builtin_convertvector(ROUND_BF16((vu)v), vh);
     else
         *(vf_u *)p = v;
 }
@@ -101,10 +99,11 @@ static inline vf exp_vf(vf x) {
 
 // -----------------------------------------------------------------------------------------------
 // Linear: y[M, N] = x[M, K] W^T (+ bias). W is packed once at load time into panels of 16 output
-// columns (pack_weight in kernels.py; N padded to a multiple of 16 with zero rows, K to an even
-// count), walked in pairs of k: fp32 w[panel][k / 2][2][16], bf16 w[panel][k / 2][16][2], a bf16
-// pair (k, k + 1) sharing one 32-bit word. AMX (below) reads that word as is; the FMA path widens
-// its halves exactly with one shift (k) and one mask (k + 1), so one load serves two k.
+// columns (pack_weight in kernels.py; N padded to a multiple of 32 with zero rows, so that the
+// panels come in pairs, K to an even count), walked in pairs of k: fp32 w[panel][k / 2][2][16],
+// bf16 w[panel][k / 2][16][2], a bf16 pair (k, k + 1) sharing one 32-bit word. AMX (below) reads
+// that word as is; the FMA path widens its halves exactly with one shift (k) and one mask (k + 1),
+// so one load serves two k.
 //
 // Each output y[m, n] is one fixed chain from zero, then + bias: fp32 FMAs over k = 0..K-1 (x in
 // fp32), or AMX's tile products (below), or, in the avx512bf16 build for bf16 x over bf16 weights,
@@ -119,17 +118,26 @@ static inline vf exp_vf(vf x) {
 // One panel, not several side by side: each thread then reads a single sequential stream, and tiles
 // of 2-4 panels (more accumulators to hide the FMA latency) measured slower at every M on every
 // build: M=1 8-17% on AVX2, M=1-6 15-25% and prefill 10-13% on AVX-512 (BENCHMARKS.md, session 18).
-// Up to 18 rows, the row blocks (ROW_BLOCK) re-read (from L1, a chunk of K at a time: CHUNK below)
-// and re-widen a thread's weights; beyond (prefill), each panel of 16-bit weights is widened once
-// into an fp32 buffer that every row block reads (measured: direct wins below 19 rows, widened
-// above; BENCHMARKS.md, session 12). The whole panel, K x 16 floats (36-98 KB for the default
-// model: L2), not chunks in L1: as fast on avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of
-// k, 175-189 whole; BENCHMARKS.md, session 20). What makes it fast is what the loop does not do:
-// every shape and dtype is a compile-time constant (no flag tests, no spilled row pointers), and
-// x is fp32 before the call, so a broadcast is one load. `bench.py kernels` counts the
-// instructions per FMA of the inner loops.
+// The exception is AVX-512's prefill, from its widened copy (below): a 6-row tile of one panel has
+// 6 FMA chains where two FMA ports of latency 4 want 8, and every FMA takes its broadcast of x from
+// memory (1.17 loads a FMA), where one of two panels side by side (WIDE) has 12 chains and each
+// broadcast feeds two FMAs (0.67 loads a FMA). The default model's 121 linear shapes at M=256,
+// taking turns with the one-panel build (same bits): 0.75-0.82x the time on an Intel Xeon (2
+// threads; 0.89x with 16) and 0.80x on a Zen 5; against torch's fp32 GEMM on the Xeon, from 0.78x
+// to 1.02x at 2 threads and 0.81x to 0.92x at 16 (BENCHMARKS.md, session 48). AVX2 already has two
+// vectors a panel row: one panel there. Up to 18 rows, the row blocks (ROW_BLOCK) re-read (from L1,
+// a chunk of K at a time: CHUNK below) and re-widen a thread's weights; beyond (prefill), each
+// panel of 16-bit weights is widened once into an fp32 buffer that every row block reads (measured:
+// direct wins below 19 rows, widened above; BENCHMARKS.md, session 12). The whole panel, K x 16
+// floats (36-98 KB for the default model: L2; twice that on AVX-512, two panels), not chunks in L1:
+// as fast on avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of k, 175-189 whole;
+// BENCHMARKS.md, session 20). What makes it fast is what the loop does not do: every shape and
+// dtype is a compile-time constant (no flag tests, no spilled row pointers), and x is fp32 before
+// the call, so a broadcast is one load. `bench.py kernels` counts the instructions per FMA of the
+// inner loops.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
+#define WIDE (LANES == 16 ? 2 : 1)
 // The rows of a row block: AVX2 keeps 6 rows x 2 vectors of accumulators in 12 of its 16
 // registers, SSE 2 rows x 4 in 8. AVX-512 keeps a panel row in one vector and has 32 registers, so
 // a verify step of up to 16 rows is one block of up to 16 accumulators: each weight is widened once
@@ -183,8 +191,8 @@ static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: 
 // The weights of one half (k even: 0, odd: 1) of a pair for LANES columns (v: which slice of 16).
 // wt, the packed weights' type: 0 fp32, 1 bf16 (a shift or a mask widens it), 2 fp16 (F16C's
 // vcvtph2ps widens LANES of them in one instruction, straight from memory).
-static inline vf widen(const char *pair, int v, int half, const int wt) {
-    if (wt != 1) return load_vf(pair + (half * PANEL + v * LANES) * (wt ? 2 : 4), wt);
+static inline vf widen(const char *pair, int v, int half, const int wt, const int pv) {
+    if (wt != 1) return load_vf(pair + (half * pv + v) * LANES * (wt ? 2 : 4), wt);
     vu u = *(const vu_u *)(pair + v * LANES * 4);
     return (vf)(half ? u & 0xFFFF0000u : u << 16);
 }
@@ -192,12 +200,11 @@ static inline vf widen(const char *pair, int v, int half, const int wt) {
 // y rows m0.. of the tile, + bias, rounded to bf16 or stored as fp32; the last panel may be
 // partial.
 static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t m0, int p0, int N,
-                              const int R, int y_bf16) {
+                              const int R, const int pv, int y_bf16) {
     int elem = y_bf16 ? 2 : 4;
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < PV && p0 * PANEL + v * LANES < N; v++) {  // (not the zero padding)
-            int n0 = p0 * PANEL + v * LANES;
-            vf out = acc[r * PV + v];
+        for (int v = 0, n0 = p0 * PANEL; v < pv && n0 < N; v++, n0 += LANES) {  // (not the padding)
+            vf out = acc[r * pv + v];
             char *dst = (char *)y + ((m0 + r) * N + n0) * elem, tmp[LANES * 4];
             for (int j = 0; bias && j < LANES && n0 + j < N; j++)
                 out[j] += get(bias, n0 + j, y_bf16);
@@ -206,20 +213,21 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
         }
 }
 
-// One tile: rows m0..m0+R-1, panel p0, the pairs of k kp0..kp1-1 (all of them, or a chunk), with
-// the panel's weights at w0. R and the dtypes are constants in each instance (tile_rows), so the
-// accumulators live in registers. After the last pair it adds the bias and writes y. wt 3: bf16
-// weights under bf16 x, one dot product a pair of k (AVX512-BF16; a panel is one vector there):
-// x's pair is one 32-bit word, broadcast, and the weights' pair layout is what the instruction
-// takes, so nothing is widened.
+// One tile: rows m0..m0+R-1, panel p0 (and the ones after it: pv vectors a row, PV a panel), the
+// pairs of k kp0..kp1-1 (all of them, or a chunk), with the tile's weights at w. R, pv and the
+// dtypes are constants in each instance (tile_rows), so the accumulators live in registers. After
+// the last pair it adds the bias and writes y. wt 3: bf16 weights under bf16 x, one dot product a
+// pair of k (AVX512-BF16; a panel is one vector there): x's pair is one 32-bit word, broadcast, and
+// the weights' pair layout is what the instruction takes, so nothing is widened.
 static inline __attribute__((always_inline)) void
-tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
-     int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int wt, int y_bf16) {
-    vf acc[MAX_BLOCK * PV];  // acc[r * PV + v]: from zero, or the sums of the pairs before kp0
-    for (int i = 0; i < R * PV; i++) acc[i] = kp0 ? sums[i] : (vf){};
-    const int64_t pair_bytes = PANEL * (wt ? 4 : 8);  // the panel's weights for a pair of k
+tile(const void *x, const char *w, const void *bias, void *y, int64_t m0, int p0, int N, int64_t K2,
+     int64_t kp0, int64_t kp1, vf *sums, const int R, const int pv, const int wt, int y_bf16) {
+    if (R != ROW_BLOCK(R)) return;  // (a row count no call has: not compiled)
+    vf acc[MAX_BLOCK * PV * WIDE];  // acc[r * pv + v]: from zero, or the sums of the pairs to kp0
+    for (int i = 0; i < R * pv; i++) acc[i] = kp0 ? sums[i] : (vf){};
+    const int64_t pair_bytes = pv * LANES * (wt ? 4 : 8);  // the tile's weights for a pair of k
     for (int64_t kp = kp0; kp < kp1; kp++) {
-        const char *pair = w0 + kp * pair_bytes;
+        const char *pair = w + kp * pair_bytes;
         for (int line = 0; line < pair_bytes; line += 64)
             __builtin_prefetch(pair + (m0 ? AHEAD + CHUNK : AHEAD) * pair_bytes + line, 0, 2);
 #ifdef __AVX512BF16__
@@ -230,13 +238,13 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
 #endif
         if (wt == 3) continue;  // (a build without AVX512-BF16 is never asked for wt 3: no loop)
         for (int half = 0; half < 2; half++) {  // k = 2 kp, then 2 kp + 1: the chain's order
-            vf wk[PV];
-            for (int v = 0; v < PV; v++) wk[v] = widen(pair, v, half, wt);
+            vf wk[PV * WIDE];
+            for (int v = 0; v < pv; v++) wk[v] = widen(pair, v, half, wt, pv);
             for (int r = 0; r < R; r++) {
                 int64_t k = 2 * kp + half, at = (m0 + r) * 2 * K2 + k;
                 if (wt == 2) at = m0 * 2 * K2 + k * R + r;  // x interleaved (see linear)
                 vf xk = splat(((const float *)x)[at]);
-                for (int v = 0; v < PV; v++) acc[r * PV + v] += xk * wk[v];  // FMA
+                for (int v = 0; v < pv; v++) acc[r * pv + v] += xk * wk[v];  // FMA
             }
         }
     }
@@ -244,51 +252,56 @@ tile(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p
     // kept the accumulators in a stack array around the loop, and every chunk's restart copied
     // them twice through memory, store by reload (paired with a control build: a T=9 forward 3-6.5%
     // faster on avx2 in three runs, T=18 6.6% on avx512bf16; BENCHMARKS.md, session 27).
-    for (int i = 0; i < R * PV; i++) sums[i] = acc[i];
-    if (kp1 == K2) store_tile(sums, bias, y, m0, p0, N, R, y_bf16);
+    for (int i = 0; i < R * pv; i++) sums[i] = acc[i];
+    if (kp1 == K2) store_tile(sums, bias, y, m0, p0, N, R, pv, y_bf16);
 }
 
 // Every row count a tile can have, each compiled as its own instance (7-16: AVX-512 only).
+// Prefill's tiles of WIDE panels only ever have up to MAX_ROWS rows, but are compiled at every
+// count too: pruned to 6 or 8 rows, GCC 12 kept the 6-row tile's row pointers on the stack (68
+// instructions and 24 loads for its 24 FMAs, against 60 and 16) and it ran 1.06x slower on a Zen 5.
 #define ROWS(R)                                                                                    \
     case R:                                                                                        \
-        if (R == ROW_BLOCK(R)) tile(x, w0, bias, y, m0, p0, N, K2, kp0, kp1, sums, R, wt, y_bf16); \
+        tile(x, w0, bias, y, m0, p0, N, K2, kp0, kp1, sums, R, pv, wt, y_bf16);                    \
         break;
 #define ROWS4(R1, R2, R3, R4) ROWS(R1) ROWS(R2) ROWS(R3) ROWS(R4)
 static inline __attribute__((always_inline)) void
 tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
-          int64_t K2, int64_t kp0, int64_t kp1, vf *sums, int rows, const int wt, int y_bf16) {
+          int64_t K2, int64_t kp0, int64_t kp1, vf *sums, int rows, const int pv, const int wt,
+          int y_bf16) {
     switch (rows) { ROWS4(1, 5, 9, 13) ROWS4(2, 6, 10, 14) ROWS4(3, 7, 11, 15) ROWS4(4, 8, 12, 16) }
 }
 
 // The tiles of one thread: its share of the panels, one at a time; every row block walks a panel
-// while its weights are in this core's cache. With 16-bit weights and several row blocks (prefill)
-// the FMA path widens each panel once into `scratch` (K * 16 floats).
+// while its weights are in this core's cache. With 16-bit weights and several row blocks (prefill,
+// `blocked`) the FMA path widens each panel once into `scratch`, WIDE panels side by side a tile
+// (K * 16 * WIDE floats; the thread's share is whole tiles: linear).
 static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, int y_bf16) {
     int blocked = (wt == 1 || wt == 2) && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
     int64_t block = ROW_BLOCK(M), chunk = M > block && M <= 3 * MAX_ROWS ? CHUNK : K2;
     // the row blocks' accumulators between chunks, or on their way to y
-    vf sums[3 * MAX_ROWS * PV];
-    for (int p0 = first; p0 < last; p0++) {
+    vf sums[3 * MAX_ROWS * PV * WIDE];
+    for (int p0 = first; p0 < last; p0 += blocked ? WIDE : 1) {
         const char *w0 = (const char *)w + p0 * K2 * PANEL * (wt ? 4 : 8);
         // Prefill: the panel's pairs of k widened from 16 bits once into an fp32 copy that every
-        // row block then reads (fp32 layout: [pair][2][16])
+        // row block then reads (fp32 layout: [pair][2][WIDE * 16])
         for (int64_t kp = 0; blocked && kp < K2; kp++)
             for (int half = 0; half < 2; half++)
-                for (int v = 0; v < PV; v++)
-                    *(vf_u *)(scratch + (kp * 2 + half) * PANEL + v * LANES) =
-                        widen(w0 + kp * PANEL * 4, v, half, wt);
+                for (int v = 0; v < WIDE * PV; v++)  // panel p0 + v / PV
+                    *(vf_u *)(scratch + ((kp * 2 + half) * WIDE * PV + v) * LANES) =
+                        widen(w0 + (v / PV * K2 + kp) * PANEL * 4, v % PV, half, wt, PV);
         for (int64_t kp0 = 0; kp0 < K2; kp0 += chunk)
             for (int64_t m0 = 0; m0 < M; m0 += block) {
                 int rows = M - m0 < block ? (int)(M - m0) : (int)block;
                 int64_t kp1 = kp0 + chunk < K2 ? kp0 + chunk : K2;
-// (each row block's sums at its own rows; past 3 * MAX_ROWS rows (18; 6 on the generic build) there
-// are no chunks, each tile's sums go to y at once, and the modulo just keeps them in the array)
-#define TILES(W, WT)                                                                               \
-    tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + m0 % (3 * MAX_ROWS) * PV, rows, WT,   \
-              y_bf16)
-                blocked ? TILES((const char *)scratch, 0) : TILES(w0, wt);
+// (each row block's sums at its own rows where the blocks take turns a chunk at a time; with one
+// chunk, each tile's sums go to y at once, and every tile's start at sums[0])
+#define TILES(W, PVS, WT)                                                                          \
+    tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + (chunk < K2 ? m0 * PV : 0), rows,     \
+              PVS, WT, y_bf16)
+                blocked ? TILES((const char *)scratch, WIDE * PV, 0) : TILES(w0, PV, wt);
             }
     }
 }
@@ -372,7 +385,7 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
             _tile_stored(0, out[0], 64);
             _tile_stored(1, out[1], 64);
             for (int i = 0; i < 1 + (w1 != w0); i++)  // (a repeated panel: stored once)
-                store_tile((vf *)out[i], bias, y, m0, p0 + i, N, rows, y_bf16);
+                store_tile((vf *)out[i], bias, y, m0, p0 + i, N, rows, PV, y_bf16);
         }
     }
     _tile_release();  // (the kernel then saves no tile state at a context switch)
@@ -387,7 +400,7 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
 static inline vf silu_mul_vf(const char *p, int64_t half, int type) {
     vf g = load_vf(p, type), e = exp_vf((vf)((vu)g | 0x80000000u));  // e^-|g|
     vu s = (vu)(g * select_vf(g < 0, e, splat(1.0f)) / (1.0f + e));
-    if (type) s = (s + 0x7FFF + ((s >> 16) & 1)) >> 16 << 16;  // to nearest even, as store_vf
+    if (type) s = ROUND_BF16(s) << 16;  // to nearest even, as store_vf
     return (vf)s * load_vf(p + half, type);
 }
 
@@ -405,8 +418,8 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
             int gated) {
     const void *w = (const void *)layer[0], *bias = (const void *)layer[1];
     int N = layer[2], K = layer[3], x_bf16 = layer[4], amx = layer[5], wt = layer[6];
-    int y_bf16 = layer[7];
-    int64_t K2 = K / 2, num_panels = (N + PANEL - 1) / PANEL, vectors = (K + LANES - 1) / LANES;
+    int y_bf16 = layer[7], vectors = (K + LANES - 1) / LANES;
+    int64_t K2 = K / 2, num_panels = (N + 2 * PANEL - 1) / (2 * PANEL) * 2;  // (even: pack_weight)
     if (M == 0) return;  // (no tile shape has 0 rows)
     // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x
     // interleaved into `scratch` by row blocks (ROW_BLOCK; the last block: what is left), each
@@ -453,7 +466,11 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
                 }
             }
         int t = omp_get_thread_num(), n = omp_get_num_threads();
-        int first = num_panels * t / n, last = num_panels * (t + 1) / n;
+        // Prefill's tiles take WIDE panels (linear_panels; AMX's take two at every M): the threads'
+        // shares are whole tiles. (Decode's stay single panels: 36 panels over 16 threads in pairs
+        // would be 4 panels for some threads where 3 is the most now.)
+        int wide = M > 3 * MAX_ROWS ? WIDE : 1;
+        int first = num_panels * t / n / wide * wide, last = num_panels * (t + 1) / n / wide * wide;
         // (past x's copy; see linear_panels, amx_panels)
         float *own = scratch ? scratch + (copied_rows + t * 2 * PANEL) * K : 0;
 #ifdef __AMX_BF16__

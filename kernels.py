@@ -294,16 +294,17 @@ class Linear(nn.Module):
 
 
 def pack_weight(weight: torch.Tensor, storage: torch.dtype | None = None) -> torch.Tensor:
-    """[N, K] -> panels of 16 output columns (N zero-padded to a multiple of 16), k in pairs (K
-    padded to even), stored as `storage` (default: the weight's dtype). fp32 and fp16
-    [N/16, K/2, 2, 16]: 16 columns of one k side by side, what a vector load (and F16C's
-    vcvtph2ps) wants; bf16 [N/16, K/2, 16, 2], so a pair of k shares one 32-bit word, a row of an
-    AMX tile, widened by a shift or a mask elsewhere (cpu_kernels.c, "Linear"). (AMX splits fp16
-    weights from the fp16 layout itself.)"""
+    """[N, K] -> panels of 16 output columns (N zero-padded to a multiple of 32: whole pairs of
+    panels, which AVX-512's prefill tiles take side by side), k in pairs (K padded to even),
+    stored as `storage` (default: the weight's dtype). fp32 and fp16 [N/16, K/2, 2, 16]: 16
+    columns of one k side by side, what a vector load (and F16C's vcvtph2ps) wants; bf16
+    [N/16, K/2, 16, 2], so a pair of k shares one 32-bit word, a row of an AMX tile, widened by a
+    shift or a mask elsewhere (cpu_kernels.c, "Linear"). (AMX splits fp16 weights from the fp16
+    layout itself.)"""
     weight = weight.to(storage or weight.dtype)
     n, k = weight.shape
     # [panel, n, k / 2, 2]
-    pairs = F.pad(weight, (0, k % 2, 0, -n % 16)).reshape(-1, 16, (k + 1) // 2, 2)
+    pairs = F.pad(weight, (0, k % 2, 0, -n % 32)).reshape(-1, 16, (k + 1) // 2, 2)
     order = (0, 2, 1, 3) if weight.dtype == torch.bfloat16 else (0, 2, 3, 1)
     return pairs.permute(order).contiguous()
 
