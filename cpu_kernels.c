@@ -123,8 +123,9 @@ static inline vf exp_vf(vf x) {
 // memory (1.17 loads a FMA), where one of two panels side by side (WIDE) has 12 chains and each
 // broadcast feeds two FMAs (0.67 loads a FMA). The default model's 121 linear shapes at M=256,
 // taking turns with the one-panel build (same bits): 0.75-0.82x the time on an Intel Xeon (2
-// threads; 0.89x with 16) and 0.80x on a Zen 5; against torch's fp32 GEMM on the Xeon, from 0.78x
-// to 1.02x at 2 threads and 0.81x to 0.92x at 16 (BENCHMARKS.md, session 48). AVX2 already has two
+// threads; 0.89-0.93x with 16) and 0.80x on a Zen 5; against torch's fp32 GEMM on the Xeon, in
+// three runs on a shared host, from 0.59-0.78x to 0.78-1.02x at 2 threads and from 0.81-0.84x to
+// 0.90-0.92x at 16 (BENCHMARKS.md, session 48). AVX2 already has two
 // vectors a panel row: one panel there. Up to 18 rows, the row blocks (ROW_BLOCK) re-read (from L1,
 // a chunk of K at a time: CHUNK below) and re-widen a thread's weights; beyond (prefill), each
 // panel of 16-bit weights is widened once into an fp32 buffer that every row block reads (measured:
