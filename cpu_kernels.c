@@ -125,17 +125,19 @@ static inline vf exp_vf(vf x) {
 // taking turns with the one-panel build (same bits): 0.75-0.82x the time on an Intel Xeon (2
 // threads; 0.89-0.93x with 16) and 0.80x on a Zen 5; against torch's fp32 GEMM on the Xeon, in
 // three runs on a shared host, from 0.59-0.78x to 0.78-1.02x at 2 threads and from 0.81-0.84x to
-// 0.90-0.92x at 16 (BENCHMARKS.md, session 48). AVX2 already has two
-// vectors a panel row: one panel there. Up to 18 rows, the row blocks (ROW_BLOCK) re-read (from L1,
-// a chunk of K at a time: CHUNK below) and re-widen a thread's weights; beyond (prefill), each
-// panel of 16-bit weights is widened once into an fp32 buffer that every row block reads (measured:
-// direct wins below 19 rows, widened above; BENCHMARKS.md, session 12). The whole panel, K x 16
-// floats (36-98 KB for the default model: L2; twice that on AVX-512, two panels), not chunks in L1:
-// as fast on avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of k, 175-189 whole;
-// BENCHMARKS.md, session 20). What makes it fast is what the loop does not do: every shape and
-// dtype is a compile-time constant (no flag tests, no spilled row pointers), and x is fp32 before
-// the call, so a broadcast is one load. `bench.py kernels` counts the instructions per FMA of the
-// inner loops.
+// 0.90-0.92x at 16 (BENCHMARKS.md, session 48). The avx512bf16 build's dot products (bf16 x over
+// bf16 weights) take two panels in prefill too, straight from the packed weights (a panel's pairs
+// are one vector, nothing to widen): 12 dot-product chains, not 6; M=256 on a Zen 5 0.64x the time,
+// from 0.66x oneDNN's bf16 GEMM to 1.04x (session 48). AVX2 already has two vectors a panel row:
+// one panel there. Up to 18 rows, the row blocks (ROW_BLOCK) re-read (from L1, a chunk of K at a
+// time: CHUNK below) and re-widen a thread's weights; beyond (prefill), each panel of 16-bit
+// weights is widened once into an fp32 buffer that every row block reads (measured: direct wins
+// below 19 rows, widened above; BENCHMARKS.md, session 12). The whole panel, K x 16 floats (36-98
+// KB for the default model: L2; twice that on AVX-512, two panels), not chunks in L1: as fast on
+// avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of k, 175-189 whole; BENCHMARKS.md, session
+// 20). What makes it fast is what the loop does not do: every shape and dtype is a compile-time
+// constant (no flag tests, no spilled row pointers), and x is fp32 before the call, so a broadcast
+// is one load. `bench.py kernels` counts the instructions per FMA of the inner loops.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
 #define WIDE (LANES == 16 ? 2 : 1)
@@ -219,23 +221,24 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 // dtypes are constants in each instance (tile_rows), so the accumulators live in registers. After
 // the last pair it adds the bias and writes y. wt 3: bf16 weights under bf16 x, one dot product a
 // pair of k (AVX512-BF16; a panel is one vector there): x's pair is one 32-bit word, broadcast, and
-// the weights' pair layout is what the instruction takes, so nothing is widened.
+// the weights' pair layout is what the instruction takes, so nothing is widened; the tile reads its
+// panels where they are packed, K2 * 64 bytes apart (prefill's tiles of WIDE panels too).
 static inline __attribute__((always_inline)) void
 tile(const void *x, const char *w, const void *bias, void *y, int64_t m0, int p0, int N, int64_t K2,
      int64_t kp0, int64_t kp1, vf *sums, const int R, const int pv, const int wt, int y_bf16) {
     if (R != ROW_BLOCK(R)) return;  // (a row count no call has: not compiled)
     vf acc[MAX_BLOCK * PV * WIDE];  // acc[r * pv + v]: from zero, or the sums of the pairs to kp0
     for (int i = 0; i < R * pv; i++) acc[i] = kp0 ? sums[i] : (vf){};
-    const int64_t pair_bytes = pv * LANES * (wt ? 4 : 8);  // the tile's weights for a pair of k
+    const int64_t pair_bytes = (wt == 3 ? PV : pv) * LANES * (wt ? 4 : 8);  // (wt 3: a panel's)
     for (int64_t kp = kp0; kp < kp1; kp++) {
         const char *pair = w + kp * pair_bytes;
         for (int line = 0; line < pair_bytes; line += 64)
             __builtin_prefetch(pair + (m0 ? AHEAD + CHUNK : AHEAD) * pair_bytes + line, 0, 2);
 #ifdef __AVX512BF16__
-        for (int r = 0; wt == 3 && r < R; r++) {  // bf16 x and weights: one dot product a pair
-            vu xk = (vu){} + ((const uint32_t *)x)[(m0 + r) * K2 + kp];  // x's pair, both halves
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)xk, (__m512bh) * (const vf_u *)pair);
-        }
+        for (int i = 0; wt == 3 && i < R * pv; i++)  // row i / pv's pair of x, both halves
+            acc[i] = _mm512_dpbf16_ps(
+                acc[i], (__m512bh)((vu){} + ((const uint32_t *)x)[(m0 + i / pv) * K2 + kp]),
+                (__m512bh) * (const vf_u *)(pair + i % pv * K2 * 64));  // panel i % pv's pairs
 #endif
         if (wt == 3) continue;  // (a build without AVX512-BF16 is never asked for wt 3: no loop)
         for (int half = 0; half < 2; half++) {  // k = 2 kp, then 2 kp + 1: the chain's order
@@ -275,12 +278,13 @@ tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, 
 
 // The tiles of one thread: its share of the panels, one at a time; every row block walks a panel
 // while its weights are in this core's cache. With 16-bit weights and several row blocks (prefill,
-// `blocked`) the FMA path widens each panel once into `scratch`, WIDE panels side by side a tile
-// (K * 16 * WIDE floats; the thread's share is whole tiles: linear).
+// `blocked`) a tile takes WIDE panels (the thread's share is whole tiles: linear): the FMA path
+// widens them once into `scratch`, side by side (K * 16 * WIDE floats); the dot product (wt 3)
+// reads them as packed.
 static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, int y_bf16) {
-    int blocked = (wt == 1 || wt == 2) && M > 3 * MAX_ROWS;  // 16-bit weights, widened once a panel
+    int blocked = wt && M > 3 * MAX_ROWS;  // prefill over 16-bit weights: tiles of WIDE panels
     int64_t block = ROW_BLOCK(M), chunk = M > block && M <= 3 * MAX_ROWS ? CHUNK : K2;
     // the row blocks' accumulators between chunks, or on their way to y
     vf sums[3 * MAX_ROWS * PV * WIDE];
@@ -288,7 +292,7 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
         const char *w0 = (const char *)w + p0 * K2 * PANEL * (wt ? 4 : 8);
         // Prefill: the panel's pairs of k widened from 16 bits once into an fp32 copy that every
         // row block then reads (fp32 layout: [pair][2][WIDE * 16])
-        for (int64_t kp = 0; blocked && kp < K2; kp++)
+        for (int64_t kp = 0; blocked && wt != 3 && kp < K2; kp++)
             for (int half = 0; half < 2; half++)
                 for (int v = 0; v < WIDE * PV; v++)  // panel p0 + v / PV
                     *(vf_u *)(scratch + ((kp * 2 + half) * WIDE * PV + v) * LANES) =
@@ -299,10 +303,10 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
                 int64_t kp1 = kp0 + chunk < K2 ? kp0 + chunk : K2;
 // (each row block's sums at its own rows where the blocks take turns a chunk at a time; with one
 // chunk, each tile's sums go to y at once, and every tile's start at sums[0])
-#define TILES(W, PVS, WT)                                                                          \
-    tile_rows(x, W, bias, y, m0, p0, N, K2, kp0, kp1, sums + (chunk < K2 ? m0 * PV : 0), rows,     \
-              PVS, WT, y_bf16)
-                blocked ? TILES((const char *)scratch, WIDE * PV, 0) : TILES(w0, PV, wt);
+#define TILES(PVS, WT)                                                                             \
+    tile_rows(x, blocked && wt != 3 ? (const char *)scratch : w0, bias, y, m0, p0, N, K2, kp0,    \
+              kp1, sums + (chunk < K2 ? m0 * PV : 0), rows, PVS, WT, y_bf16)
+                blocked ? TILES(WIDE * PV, wt == 3 ? 3 : 0) : TILES(PV, wt);
             }
     }
 }
