@@ -424,8 +424,9 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
     const void *w = (const void *)layer[0], *bias = (const void *)layer[1];
     int N = layer[2], K = layer[3], x_bf16 = layer[4], amx = layer[5], wt = layer[6];
     int y_bf16 = layer[7], vectors = (K + LANES - 1) / LANES;
-    // (panels in pairs, as pack_weight pads them: a panel past N is zeros, computed, never stored)
-    int64_t K2 = K / 2, num_panels = (N + 2 * PANEL - 1) / (2 * PANEL) * 2;
+    // (in whole tiles of WIDE panels, as pack_weight pads them to pairs: on AVX-512 a panel past N
+    // is zeros, computed, never stored)
+    int64_t K2 = K / 2, num_panels = (N + WIDE * PANEL - 1) / (WIDE * PANEL) * WIDE;
     if (M == 0) return;  // (no tile shape has 0 rows)
     // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x
     // interleaved into `scratch` by row blocks (ROW_BLOCK; the last block: what is left), each

@@ -58,9 +58,9 @@ context: AttentionContext | None = None
 # Cooper Lake) adds AVX512-BF16's dot product, for bf16 rows over bf16 weights (--dtype bfloat16):
 # a pair of k a lane in one instruction, twice the FMA path's multiply-adds (M=256 2.0x, 1.1x
 # oneDNN's bf16 GEMM on a Zen 4, BENCHMARKS.md, session 25; 1.04x on a Zen 5 with prefill tiles
-# of two panels, session 48). --dtype auto keeps fp32 activations
-# over fp16 weights there, as on every CPU: split into bf16 halves they would take 3 dot products
-# where the FMA path takes 2 FMAs (session 21).
+# of two panels, session 48). --dtype auto keeps fp32 activations over fp16 weights there, as on
+# every CPU: split into bf16 halves they would take 3 dot products where the FMA path takes 2
+# FMAs (session 21).
 ISA_NEEDS = {
     "amx": ["amx_tile", "amx_bf16", "avx512f", "avx2", "fma", "f16c"],
     "avx512bf16": ["avx512_bf16", "avx512f", "avx2", "fma", "f16c"],

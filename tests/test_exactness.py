@@ -59,21 +59,20 @@ def test_c_linear_outputs_do_not_depend_on_the_thread_count(c_isa, w_dtype):
     decode (1 row), verify (9) and prefill (300), over 36 panels and over 3 (padded to 4)."""
     if w_dtype == torch.float16 and c_isa == "generic":
         pytest.skip("fp16 weights need F16C, which the generic build does not assume")
-    threads, outputs = torch.get_num_threads(), []
+    threads = torch.get_num_threads()
     for n, k in [(576, 576), (40, 64)]:
         weight = (0.05 * torch.randn(n, k)).to(w_dtype)
         layer = kernels.Linear(weight.float(), torch.randn(n), kernels.pack_weight(weight))
-        x = torch.randn(300, k)
+        x, outputs = torch.randn(300, k), {}
         try:
             for count in (1, 2, 3, 5):
                 torch.set_num_threads(count)
-                outputs.append([(n, count, kernels.c_linear(x[:m], layer)) for m in (1, 9, 300)])
+                outputs[count] = [kernels.c_linear(x[:m], layer) for m in (1, 9, 300)]
         finally:
             torch.set_num_threads(threads)
-    for calls in outputs:
-        first = next(o for o in outputs if o[0][0] == calls[0][0])  # one thread, the same layer
-        for (n, count, y), (_, _, expected) in zip(calls, first):
-            assert torch.equal(y, expected), f"N={n}, {count} threads: {len(y)} rows differ"
+        for count, ys in outputs.items():  # each against one thread's
+            for y, expected in zip(ys, outputs[1]):
+                assert torch.equal(y, expected), f"N={n}, {count} threads: {len(y)} rows differ"
 
 
 def test_c_linear_rows_stay_invariant_under_a_compiler_that_splits_fma_chains(
