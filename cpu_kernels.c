@@ -168,7 +168,11 @@ static inline vf exp_vf(vf x) {
 // build, 2 threads, all 121 shapes taking turns) 1.5x slower at M=1 and 1.6x at M=256 (with 16
 // threads 1.5x and 1.2x): there the stream loses the L2 prefetchers, as session 23 had seen on a
 // Sapphire Rapids. On the Zen 3 (avx2) the hints are within 2% of each other at T=1-256
-// (BENCHMARKS.md, session 39).
+// (BENCHMARKS.md, session 39). Not where a tile reads AVX-512 prefill's widened copy of two panels
+// (pv = WIDE * PV, "not a copy" below): written just before, it is in cache already, and the
+// prefetches only took load slots (a 700-token prefill 0.955-0.984x the time on a Zen 5, on both
+// AVX-512 builds; session 49). AVX2's copy (one panel) is read by the instance that fp32 weights'
+// decode tiles need prefetching in; dropped there, the prefetches measured within the noise.
 #define AHEAD 32
 // A verify step of 7-18 rows in 2-3 row blocks (ROW_BLOCK; on AVX-512 only 17-18 rows take more
 // than one) walks each panel in chunks of CHUNK pairs of k (4 KB of fp16 weights), every row block
@@ -232,7 +236,7 @@ tile(const void *x, const char *w, const void *bias, void *y, int64_t m0, int p0
     const int64_t pair_bytes = (wt == 3 ? PV : pv) * LANES * (wt ? 4 : 8);  // (wt 3: a panel's)
     for (int64_t kp = kp0; kp < kp1; kp++) {
         const char *pair = w + kp * pair_bytes;
-        for (int line = 0; line < pair_bytes; line += 64)
+        for (int line = 0; (wt || pv == PV) && line < pair_bytes; line += 64)  // (not a copy)
             __builtin_prefetch(pair + (m0 ? AHEAD + CHUNK : AHEAD) * pair_bytes + line, 0, 2);
 #ifdef __AVX512BF16__
         for (int i = 0; wt == 3 && i < R * pv; i++)  // row i / pv's pair of x, both halves
