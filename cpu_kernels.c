@@ -146,20 +146,23 @@ static inline vf exp_vf(vf x) {
 // a verify step of up to 16 rows is one block of up to 16 accumulators: each weight is widened once
 // and every FMA chain overlaps 6 others or more. As 6 + 2 or 6 + 3 rows, the last block had 2-3
 // chains against an FMA latency of 4 and re-read the panel (default model, avx512bf16 on a Zen 4,
-// paired with a control build: T=7-12 forwards 6-8% faster, T=13-16 3-7%). 17 and 18 rows stay in
-// blocks of 6 (as one block: 18 accumulators and 18 broadcasts spill, T=18 2x slower), and so does
-// prefill (BENCHMARKS.md, session 27). The same bits: a row's chain never depends on its block.
-// A verify step of 7-18 rows on AVX2 goes in near-equal blocks (7 = 4 + 3, 8 = 4 + 4, 9 = 5 + 4,
-// 13 = 5 + 5 + 3), not 6 + 1, 6 + 2, 6 + 3: a block of R rows has 2R chains, each taking a FMA
-// every 4 cycles, so below 4 rows a block waits on the latency (6 + 3: 12 + 8 cycles a pair of k
-// where 5 + 4 takes 10 + 8, the FMA ports' own limit). Measured on a Zen 3 (2 threads, each
-// through 3,000 panels of K=576 from DRAM, best of 6 taking turns with the 6 + n build): 7 rows
-// 0.88x the time, 8 rows 0.94x, 9 rows 0.85x; T=7-9 forwards 0.92-0.98x (BENCHMARKS.md, session
-// 36). AVX-512 (17-18 rows: 6 + 6 + 5 or 6) and SSE (blocks of 2) split as before.
+// paired with a control build: T=7-12 forwards 6-8% faster, T=13-16 3-7%). 17 and 18 rows go as
+// two blocks of 9 (9 + 8, 9 + 9): as one block, 18 accumulators and 18 broadcasts spilled (T=18 2x
+// slower; BENCHMARKS.md, session 27), and as 6 + 6 + 5 or 6, as before session 49, each block had
+// 5-6 chains and re-read the panel (on a Zen 5, the default model's body linears at 17 and 18 rows
+// took 0.87x and 0.92x the time as 9 + 8 and 9 + 9 over fp16 weights, 0.80x and 0.79x in the bf16
+// dot product). Prefill keeps blocks of 6 (MAX_ROWS). The same bits: a row's chain never depends
+// on its block. So every build splits up to 18 rows into the fewest blocks of at most MAX_BLOCK
+// rows, near-equal in size: on AVX2 7 = 4 + 3, 8 = 4 + 4, 9 = 5 + 4, 13 = 5 + 5 + 3, not 6 + 1,
+// 6 + 2, 6 + 3: a block of R rows has 2R chains, each taking a FMA every 4 cycles, so below 4 rows
+// a block waits on the latency (6 + 3: 12 + 8 cycles a pair of k where 5 + 4 takes 10 + 8, the FMA
+// ports' own limit). Measured on a Zen 3 (2 threads, each through 3,000 panels of K=576 from DRAM,
+// best of 6 taking turns with the 6 + n build): 7 rows 0.88x the time, 8 rows 0.94x, 9 rows 0.85x;
+// T=7-9 forwards 0.92-0.98x (BENCHMARKS.md, session 36). SSE splits in blocks of 2.
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
 // the most rows one block can have (a tile's accumulators)
 #define MAX_BLOCK (LANES == 16 ? 16 : MAX_ROWS)
-#define ROW_BLOCKS(M) ((M) <= MAX_BLOCK ? 1 : ((M) + MAX_ROWS - 1) / MAX_ROWS)  // (M <= 18)
+#define ROW_BLOCKS(M) (((M) + MAX_BLOCK - 1) / MAX_BLOCK)  // (M <= 18)
 #define ROW_BLOCK(M) ((M) > 3 * MAX_ROWS ? MAX_ROWS : (int)(((M) - 1) / ROW_BLOCKS(M) + 1))
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
