@@ -141,28 +141,28 @@ static inline vf exp_vf(vf x) {
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
 #define WIDE (LANES == 16 ? 2 : 1)
-// The rows of a row block: AVX2 keeps 6 rows x 2 vectors of accumulators in 12 of its 16
-// registers, SSE 2 rows x 4 in 8. AVX-512 keeps a panel row in one vector and has 32 registers, so
-// a verify step of up to 16 rows is one block of up to 16 accumulators: each weight is widened once
-// and every FMA chain overlaps 6 others or more. As 6 + 2 or 6 + 3 rows, the last block had 2-3
-// chains against an FMA latency of 4 and re-read the panel (default model, avx512bf16 on a Zen 4,
-// paired with a control build: T=7-12 forwards 6-8% faster, T=13-16 3-7%). 17 and 18 rows go as
-// two blocks of 9 (8 + 9, 9 + 9): as one block, 18 accumulators and 18 broadcasts spilled (T=18 2x
-// slower; BENCHMARKS.md, session 27), and as 6 + 6 + 5 or 6, as before session 49, each block had
-// 5-6 chains and re-read the panel (on a Zen 5, the default model's body linears at 17 and 18 rows
-// took 0.87x and 0.92x the time as 8 + 9 and 9 + 9 over fp16 weights, 0.80x and 0.79x in the bf16
-// dot product). Prefill keeps blocks of 6 (MAX_ROWS). The same bits: a row's chain never depends
-// on its block. So every build splits up to 18 rows into the fewest blocks of at most MAX_BLOCK
-// rows, near-equal in size: on AVX2 7 = 3 + 4, 8 = 4 + 4, 9 = 4 + 5, 13 = 4 + 4 + 5, not 6 + 1,
-// 6 + 2, 6 + 3: a block of R rows has 2R chains, each taking a FMA every 4 cycles, so below 4 rows
-// a block waits on the latency (6 + 3: 12 + 8 cycles a pair of k where 5 + 4 takes 10 + 8, the FMA
-// ports' own limit). Measured on a Zen 3 (2 threads, each through 3,000 panels of K=576 from DRAM,
-// best of 6 taking turns with the 6 + n build): 7 rows 0.88x the time, 8 rows 0.94x, 9 rows 0.85x;
-// T=7-9 forwards 0.92-0.98x (BENCHMARKS.md, session 36). SSE splits in blocks of 2. Prefill splits
-// the same way into blocks of at most 6 (B blocks, block i from row M i / B: sizes differ by one at
-// most). With blocks of 6 and what was left last, 19 rows were 6 + 6 + 6 + 1, and a 1-row block,
-// 2 chains on AVX-512, takes most of a 6-row block's time (the body linears at 19-31 rows on a Zen
-// 5 0.95-0.97x the time split evenly; 0.97x-1.01x on the avx2 build; session 49).
+// The rows of a row block: AVX2 keeps 6 rows x 2 vectors of accumulators in 12 of its 16 registers,
+// SSE 2 rows x 4 in 8. AVX-512 keeps a panel row in one vector and has 32 registers, so a verify
+// step of up to 16 rows is one block of up to 16 accumulators: each weight is widened once and
+// every FMA chain overlaps 6 others or more. As 6 + 2 or 6 + 3 rows, the last block had 2-3 chains
+// against an FMA latency of 4 and re-read the panel (default model, avx512bf16 on a Zen 4, paired
+// with a control build: T=7-12 forwards 6-8% faster, T=13-16 3-7%). 17 and 18 rows go as two blocks
+// of 9 (8 + 9, 9 + 9): as one block, 18 accumulators and 18 broadcasts spilled (T=18 2x slower;
+// BENCHMARKS.md, session 27), and as 6 + 6 + 5 or 6, as before session 49, each block had 5-6
+// chains and re-read the panel (on a Zen 5, the default model's body linears at 17 and 18 rows took
+// 0.87x and 0.92x the time as 8 + 9 and 9 + 9 over fp16 weights, 0.80x and 0.79x in the bf16 dot
+// product). The same bits: a row's chain never depends on its block. So every build splits up to 18
+// rows into the fewest blocks of at most MAX_BLOCK rows, near-equal in size: on AVX2 7 = 3 + 4,
+// 8 = 4 + 4, 9 = 4 + 5, 13 = 4 + 4 + 5, not 6 + 1, 6 + 2, 6 + 3: a block of R rows has 2R chains,
+// each taking a FMA every 4 cycles, so below 4 rows a block waits on the latency (6 + 3: 12 + 8
+// cycles a pair of k where 5 + 4 takes 10 + 8, the FMA ports' own limit). Measured on a Zen 3 (2
+// threads, each through 3,000 panels of K=576 from DRAM, best of 6 taking turns with the 6 + n
+// build): 7 rows 0.88x the time, 8 rows 0.94x, 9 rows 0.85x; T=7-9 forwards 0.92-0.98x
+// (BENCHMARKS.md, session 36). SSE splits in blocks of 2. Prefill splits the same way into blocks
+// of at most 6 (B blocks, block i from row M i / B: sizes differ by one at most). With blocks of 6
+// and what was left last, 19 rows were 6 + 6 + 6 + 1, and a 1-row block, 2 chains on AVX-512, takes
+// most of a 6-row block's time (the body linears at 19-31 rows on a Zen 5 0.95-0.97x the time split
+// evenly; 0.97x-1.01x on the avx2 build; session 49).
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
 // the most rows one block can have (a tile's accumulators)
 #define MAX_BLOCK (LANES == 16 ? 16 : MAX_ROWS)
@@ -470,7 +470,8 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
                 int64_t m = interleaved ? j : i, k0 = (interleaved ? i : j) * LANES;
                 const char *gate = (const char *)x + (m * 2 * K + k0) * elem;  // (gated rows)
                 vf v = gated ? silu_mul_vf(gate, K * elem, x_bf16) : (vf){};
-                // row m's block: its first row m0 and its row count (interleaved copies)
+                // row m's block (`at`: the last of the B blocks to start at or before m), its first
+                // row m0 and its row count (interleaved copies)
                 int64_t b = ROW_BLOCKS(M), at = ((m + 1) * b - 1) / M, m0 = M * at / b;
                 int64_t block = M * (at + 1) / b - m0;
                 for (int64_t k = k0; k < k0 + LANES && k < K; k++) {
