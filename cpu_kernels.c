@@ -129,7 +129,7 @@ static inline vf exp_vf(vf x) {
 // bf16 weights) take two panels in prefill too, straight from the packed weights (a panel's pairs
 // are one vector, nothing to widen): 12 dot-product chains, not 6; M=256 on a Zen 5 0.64x the time,
 // from 0.66x oneDNN's bf16 GEMM to 1.04x (session 48). AVX2 already has two vectors a panel row:
-// one panel there. Up to 18 rows, the row blocks (ROW_BLOCK) re-read (from L1, a chunk of K at a
+// one panel there. Up to 18 rows, the row blocks (ROW_BLOCKS) re-read (from L1, a chunk of K at a
 // time: CHUNK below) and re-widen a thread's weights; beyond (prefill), each panel of 16-bit
 // weights is widened once into an fp32 buffer that every row block reads (measured: direct wins
 // below 19 rows, widened above; BENCHMARKS.md, session 12). The whole panel, K x 16 floats (36-98
@@ -147,27 +147,27 @@ static inline vf exp_vf(vf x) {
 // every FMA chain overlaps 6 others or more. As 6 + 2 or 6 + 3 rows, the last block had 2-3 chains
 // against an FMA latency of 4 and re-read the panel (default model, avx512bf16 on a Zen 4, paired
 // with a control build: T=7-12 forwards 6-8% faster, T=13-16 3-7%). 17 and 18 rows go as two blocks
-// of 9 (9 + 8, 9 + 9): as one block, 18 accumulators and 18 broadcasts spilled (T=18 2x slower;
+// of 9 (8 + 9, 9 + 9): as one block, 18 accumulators and 18 broadcasts spilled (T=18 2x slower;
 // BENCHMARKS.md, session 27), and as 6 + 6 + 5 or 6, as before session 49, each block had 5-6
 // chains and re-read the panel (on a Zen 5, the default model's body linears at 17 and 18 rows took
-// 0.87x and 0.92x the time as 9 + 8 and 9 + 9 over fp16 weights, 0.80x and 0.79x in the bf16 dot
-// product). The same bits: a row's chain never depends on its block. So every build splits up to 18
-// rows into the fewest blocks of at most MAX_BLOCK rows, near-equal in size: on AVX2 7 = 4 + 3,
-// 8 = 4 + 4, 9 = 5 + 4, 13 = 5 + 5 + 3, not 6 + 1, 6 + 2, 6 + 3: a block of R rows has 2R chains,
-// each taking a FMA every 4 cycles, so below 4 rows a block waits on the latency (6 + 3: 12 + 8
-// cycles a pair of k where 5 + 4 takes 10 + 8, the FMA ports' own limit). Measured on a Zen 3 (2
-// threads, each through 3,000 panels of K=576 from DRAM, best of 6 taking turns with the 6 + n
-// build): 7 rows 0.88x the time, 8 rows 0.94x, 9 rows 0.85x; T=7-9 forwards 0.92-0.98x
-// (BENCHMARKS.md, session 36). SSE splits in blocks of 2. Prefill takes blocks of 6 (MAX_ROWS),
-// what is left last. Split near-equal at every M instead (block i of B from row M i / B: 19 rows as
-// 4 + 5 + 5 + 5, not 6 + 6 + 6 + 1), the body linears at 19-31 rows took 0.95-0.97x the time on a
-// Zen 5, but the interleaved copy below then finds a row's block with three divisions where it
-// takes one, and a 9-token forward took 1.007-1.016x on avx2 (session 49): not landed.
+// 0.87x and 0.92x the time as 8 + 9 and 9 + 9 over fp16 weights, 0.80x and 0.79x in the bf16 dot
+// product). The same bits: a row's chain never depends on its block. So every build splits its rows
+// into B blocks, the fewest of at most MAX_BLOCK rows (up to 18 rows; prefill: of at most
+// MAX_ROWS), near-equal in size: block i starts at row M i / B. On AVX2 7 = 3 + 4, 8 = 4 + 4,
+// 9 = 4 + 5, 13 = 4 + 4 + 5, not 6 + 1, 6 + 2, 6 + 3: a block of R rows has 2R chains, each taking
+// a FMA every 4 cycles, so below 4 rows a block waits on the latency (6 + 3: 12 + 8 cycles a pair
+// of k where 5 + 4 takes 10 + 8, the FMA ports' own limit). Measured on a Zen 3 (2 threads, each
+// through 3,000 panels of K=576 from DRAM, best of 6 taking turns with the 6 + n build): 7 rows
+// 0.88x the time, 8 rows 0.94x, 9 rows 0.85x; T=7-9 forwards 0.92-0.98x (BENCHMARKS.md, session
+// 36). Prefill's blocks of 6 with what was left last made 19 rows 6 + 6 + 6 + 1, and a 1-row block
+// (2 chains on AVX-512) takes most of a 6-row block's time: split evenly (4 + 5 + 5 + 5), the body
+// linears at 19-31 rows took 0.94-0.97x the time on a Zen 5, on the avx2 emulation 0.96-0.99x at
+// 5-25 rows (session 49).
 #define MAX_ROWS (LANES == 4 ? 2 : 6)
 // the most rows one block can have (a tile's accumulators)
 #define MAX_BLOCK (LANES == 16 ? 16 : MAX_ROWS)
-#define ROW_BLOCKS(M) (((M) + MAX_BLOCK - 1) / MAX_BLOCK)  // (M <= 18)
-#define ROW_BLOCK(M) ((M) > 3 * MAX_ROWS ? MAX_ROWS : (int)(((M) - 1) / ROW_BLOCKS(M) + 1))
+#define CEIL(a, b) (((a) + (b) - 1) / (b))  // a / b rounded up
+#define ROW_BLOCKS(M) CEIL(M, (M) > 3 * MAX_ROWS ? MAX_ROWS : MAX_BLOCK)  // B; block i: M i / B on
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
 // on AVX2, session 10). Into L2 (prefetcht1), not non-temporal: prefetchnta, landed for a
@@ -181,7 +181,7 @@ static inline vf exp_vf(vf x) {
 // AVX-512 builds; session 49). AVX2's copy (one panel) is read by the instance that fp32 weights'
 // decode tiles need prefetching in; dropped there, the prefetches measured within the noise.
 #define AHEAD 32
-// A verify step of 7-18 rows in 2-3 row blocks (ROW_BLOCK; on AVX-512 only 17-18 rows take more
+// A verify step of 7-18 rows in 2-3 row blocks (ROW_BLOCKS; on AVX-512 only 17-18 rows take more
 // than one) walks each panel in chunks of CHUNK pairs of k (4 KB of fp16 weights), every row block
 // through a chunk before the next chunk, the blocks' accumulators kept in `sums` between chunks.
 // The second block's pass then reads the chunk from L1 while the first block's prefetches keep the
@@ -235,9 +235,10 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 // the weights' pair layout is what the instruction takes, so nothing is widened; the tile reads its
 // panels where they are packed, K2 * 64 bytes apart (prefill's tiles of WIDE panels too).
 static inline __attribute__((always_inline)) void
-tile(const void *x, const char *w, const void *bias, void *y, int64_t m0, int p0, int N, int64_t K2,
-     int64_t kp0, int64_t kp1, vf *sums, const int R, const int pv, const int wt, int y_bf16) {
-    if (R != ROW_BLOCK(R)) return;  // (a row count no call has: not compiled)
+tile(const void *x, const char *w, const void *bias, void *y, int64_t M, int64_t m0, int p0, int N,
+     int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int pv, const int wt,
+     int y_bf16) {
+    if (R > MAX_BLOCK) return;  // (a row count no call has: not compiled)
     vf acc[MAX_BLOCK * PV * WIDE];  // acc[r * pv + v]: from zero, or the sums of the pairs to kp0
     for (int i = 0; i < R * pv; i++) acc[i] = kp0 ? sums[i] : (vf){};
     const int64_t pair_bytes = (wt == 3 ? PV : pv) * LANES * (wt ? 4 : 8);  // (wt 3: a panel's)
@@ -257,7 +258,7 @@ tile(const void *x, const char *w, const void *bias, void *y, int64_t m0, int p0
             for (int v = 0; v < pv; v++) wk[v] = widen(pair, v, half, wt, pv);
             for (int r = 0; r < R; r++) {
                 int64_t k = 2 * kp + half, at = (m0 + r) * 2 * K2 + k;
-                if (wt == 2) at = m0 * 2 * K2 + k * R + r;  // x interleaved (see linear)
+                if (wt == 2) at = k * M + m0 + r;  // x interleaved (see linear)
                 vf xk = splat(((const float *)x)[at]);
                 for (int v = 0; v < pv; v++) acc[r * pv + v] += xk * wk[v];  // FMA
             }
@@ -277,13 +278,13 @@ tile(const void *x, const char *w, const void *bias, void *y, int64_t m0, int p0
 // instructions and 24 loads for its 24 FMAs, against 60 and 16) and it ran 1.06x slower on a Zen 5.
 #define ROWS(R)                                                                                    \
     case R:                                                                                        \
-        tile(x, w0, bias, y, m0, p0, N, K2, kp0, kp1, sums, R, pv, wt, y_bf16);                    \
+        tile(x, w0, bias, y, M, m0, p0, N, K2, kp0, kp1, sums, R, pv, wt, y_bf16);                 \
         break;
 #define ROWS4(R1, R2, R3, R4) ROWS(R1) ROWS(R2) ROWS(R3) ROWS(R4)
 static inline __attribute__((always_inline)) void
-tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t m0, int p0, int N,
-          int64_t K2, int64_t kp0, int64_t kp1, vf *sums, int rows, const int pv, const int wt,
-          int y_bf16) {
+tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t M, int64_t m0, int p0,
+          int N, int64_t K2, int64_t kp0, int64_t kp1, vf *sums, int rows, const int pv,
+          const int wt, int y_bf16) {
     switch (rows) { ROWS4(1, 5, 9, 13) ROWS4(2, 6, 10, 14) ROWS4(3, 7, 11, 15) ROWS4(4, 8, 12, 16) }
 }
 
@@ -296,7 +297,7 @@ static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, int y_bf16) {
     int blocked = wt && M > 3 * MAX_ROWS;  // prefill over 16-bit weights: tiles of WIDE panels
-    int64_t block = ROW_BLOCK(M), chunk = M > block && M <= 3 * MAX_ROWS ? CHUNK : K2;
+    int64_t blocks = ROW_BLOCKS(M), chunk = blocks > 1 && M <= 3 * MAX_ROWS ? CHUNK : K2;
     // the row blocks' accumulators between chunks, or on their way to y
     vf sums[3 * MAX_ROWS * PV * WIDE];
     for (int p0 = first; p0 < last; p0 += blocked ? WIDE : 1) {
@@ -309,13 +310,13 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
                     *(vf_u *)(scratch + ((kp * 2 + half) * WIDE * PV + v) * LANES) =
                         widen(w0 + (v / PV * K2 + kp) * PANEL * 4, v % PV, half, wt, PV);
         for (int64_t kp0 = 0; kp0 < K2; kp0 += chunk)
-            for (int64_t m0 = 0; m0 < M; m0 += block) {
-                int rows = M - m0 < block ? (int)(M - m0) : (int)block;
+            for (int64_t i = 0; i < blocks; i++) {
+                int64_t m0 = M * i / blocks, rows = M * (i + 1) / blocks - m0;
                 int64_t kp1 = kp0 + chunk < K2 ? kp0 + chunk : K2;
 // (each row block's sums at its own rows where the blocks take turns a chunk at a time; with one
 // chunk, each tile's sums go to y at once, and every tile's start at sums[0])
 #define TILES(PVS, WT)                                                                             \
-    tile_rows(x, blocked && wt != 3 ? (const char *)scratch : w0, bias, y, m0, p0, N, K2, kp0,    \
+    tile_rows(x, blocked && wt != 3 ? (const char *)scratch : w0, bias, y, M, m0, p0, N, K2, kp0, \
               kp1, sums + (chunk < K2 ? m0 * PV : 0), rows, PVS, WT, y_bf16)
                 blocked ? TILES(WIDE * PV, wt == 3 ? 3 : 0) : TILES(PV, wt);
             }
@@ -434,19 +435,21 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
             int gated) {
     const void *w = (const void *)layer[0], *bias = (const void *)layer[1];
     int N = layer[2], K = layer[3], x_bf16 = layer[4], amx = layer[5], wt = layer[6];
-    int y_bf16 = layer[7], vectors = (K + LANES - 1) / LANES;
+    int y_bf16 = layer[7], vectors = CEIL(K, LANES);
     // (in whole tiles of WIDE panels, as pack_weight pads them to pairs: on AVX-512 a panel past N
     // is zeros, computed, never stored)
-    int64_t K2 = K / 2, num_panels = (N + WIDE * PANEL - 1) / (WIDE * PANEL) * WIDE;
+    int64_t K2 = K / 2, num_panels = CEIL(N, WIDE * PANEL) * WIDE;
     if (M == 0) return;  // (no tile shape has 0 rows)
-    // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x
-    // interleaved into `scratch` by row blocks (ROW_BLOCK; the last block: what is left), each
-    // block [k][its rows], so that a tile reads all its rows' broadcasts through one pointer. With
-    // a pointer a row, GCC kept six of them on the stack and reloaded them every k: 6 of the 52
-    // instructions for 24 FMAs of the 6-row tile on avx2. Prefill's blocked tiles and the other
-    // weight types read x in place (for prefill the copy cost more than it saved). One row is the
-    // same either way. Gated rows (the MLP's down projection, at every M) are always copied, as
-    // silu(g) u, in the layout their tiles read.
+    // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x interleaved
+    // into `scratch` as [k][M] (x transposed: at each k, the M rows side by side), so that a tile
+    // reads all its rows' broadcasts through one pointer. With a pointer a row, GCC kept six of
+    // them on the stack and reloaded them every k: 6 of the 52 instructions for 24 FMAs of the
+    // 6-row tile on avx2. (Until session 49 each row block had its own [k][its rows]; finding a
+    // row's block took the copy a division a row and vector, and three once blocks were split
+    // evenly: [k][M] needs none, and the gated copy at 9-13 rows took 0.95-0.98x the time.)
+    // Prefill's blocked tiles and the other weight types read x in place (for prefill the copy cost
+    // more than it saved). One row is the same either way. Gated rows (the MLP's down projection,
+    // at every M) are always copied, as silu(g) u, in the layout their tiles read.
     // (elem: the bytes of an element of x; only gated rows come in bf16)
     int interleaved = !amx && wt == 2 && M <= 3 * MAX_ROWS, elem = x_bf16 ? 2 : 4;
     int64_t copied_rows = (amx && !x_bf16) || (M > 1 && interleaved) || gated ? M : 0;
@@ -470,14 +473,12 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
                 int64_t m = interleaved ? j : i, k0 = (interleaved ? i : j) * LANES;
                 const char *gate = (const char *)x + (m * 2 * K + k0) * elem;  // (gated rows)
                 vf v = gated ? silu_mul_vf(gate, K * elem, x_bf16) : (vf){};
-                // row m's block: its first row m0 and its row count (interleaved copies)
-                int64_t rb = ROW_BLOCK(M), m0 = m - m % rb, block = M - m0 < rb ? M - m0 : rb;
                 for (int64_t k = k0; k < k0 + LANES && k < K; k++) {
                     // x_hi (rounded as torch rounds), x_lo
                     bf16 *half = (bf16 *)scratch + m * K + k;
                     float value = gated ? v[k - k0] : ((const float *)x)[m * K + k];
                     if (!x_bf16 && !amx)
-                        scratch[interleaved ? m0 * K + k * block + m % rb : m * K + k] = value;
+                        scratch[interleaved ? k * M + m : m * K + k] = value;
                     else  // gated rows for bf16 tiles (AMX's or the dot product's), or AMX's x_hi
                         half[0] = to_bf16(value);
                     if (amx && !x_bf16) half[M * K] = to_bf16(value - to_f32(half[0]));  // x_lo
@@ -750,10 +751,10 @@ void paged_attention(void *q, void *k_cache, void *v_cache, void *out, float *pa
     // 1,024-1,536 at batch 1); at batch 3, T=5: 0.90-0.93x (BENCHMARKS.md, session 40). Which item
     // computes a query never changes its bits.
     int per_seq = num_tokens / num_seqs;
-    int segments = (max_blocks * block_size + segment_keys - 1) / segment_keys;  // at most
-    int split = tree_pos ? per_seq : (per_seq + QUERY_BLOCK - 1) / QUERY_BLOCK;
+    int segments = CEIL(max_blocks * block_size, segment_keys);  // at most
+    int split = tree_pos ? per_seq : CEIL(per_seq, QUERY_BLOCK);
     while (split < per_seq && num_seqs * split * num_kv_heads * segments < 2 * threads) split++;
-    int block = split ? (per_seq + split - 1) / split : 1;
+    int block = split ? CEIL(per_seq, split) : 1;
     int64_t items = (int64_t)num_tokens * num_kv_heads * segments;
 // Items start at every token and segment; all but each block's first query return at once.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (items > 1)

@@ -386,7 +386,7 @@ def c_linear(x, layer: Linear, gated=False):
         rows = rows.contiguous()
     num_rows, threads, in_features = rows.shape[0], torch.get_num_threads(), fixed[3]
     out = torch.empty(num_rows, layer.out_features, dtype=x.dtype)
-    # Room for x interleaved by row blocks (fp16 weights, up to 18 rows), gated (every M) or split
+    # Room for x interleaved, [k][M] (fp16 weights, up to 18 rows), gated (every M) or split
     # in two bf16 halves (AMX over fp16 weights), then per thread: a panel of 16-bit weights
     # widened to fp32 for prefill, or a panel pair's weights split (cpu_kernels.c). One size
     # serves every case: the pages a call never touches are never mapped in (a 2048-token chunk

@@ -14,7 +14,7 @@ from test_kernels import DEVICE, X_AND_W_DTYPES, c_rotary, make_paged_batch, reb
 
 import kernels
 
-ROW_COUNTS = [1, 2, 3, 5, 7, 9, 13, 16, 17, 33, 300]  # (AVX-512: one block up to 16, 17 = 9 + 8)
+ROW_COUNTS = [1, 2, 3, 5, 7, 9, 13, 16, 17, 33, 300]  # (AVX-512: one block up to 16, 17 = 8 + 9)
 ISAS = ["amx", "avx512bf16", "avx512", "avx2", "generic"]
 
 
@@ -42,7 +42,7 @@ def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
 @pytest.mark.parametrize("n,k", [(576, 576), (96, 1536), (37, 21), (40, 64), (24, 100)])
 def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     """Every M walks the same chain: decode's 1 row, verify's few (one pass over the weights; from
-    7 rows, 17 on AVX-512 (9 + 8), row blocks that take turns a chunk of k at a time, K=576 ending
+    7 rows, 17 on AVX-512 (8 + 9), row blocks that take turns a chunk of k at a time, K=576 ending
     in a short chunk), prefill's many (each panel of 16-bit weights widened once; on AMX, tiles of
     up to 16 rows over weights split into bf16 halves)."""
     if w_dtype == torch.float16 and c_isa == "generic":
