@@ -233,7 +233,8 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 // the last pair it adds the bias and writes y. wt 3: bf16 weights under bf16 x, one dot product a
 // pair of k (AVX512-BF16; a panel is one vector there): x's pair is one 32-bit word, broadcast, and
 // the weights' pair layout is what the instruction takes, so nothing is widened; the tile reads its
-// panels where they are packed, K2 * 64 bytes apart (prefill's tiles of WIDE panels too).
+// panels where they are packed, K2 * 64 bytes apart (prefill's tiles of WIDE panels too). wt 2
+// (fp16 weights, decode and verify): x is the call's M rows interleaved, [k][M] (linear).
 static inline __attribute__((always_inline)) void
 tile(const void *x, const char *w, const void *bias, void *y, int64_t M, int64_t m0, int p0, int N,
      int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int pv, const int wt,
