@@ -76,12 +76,6 @@ static inline vi iota(void) {
     return v;
 }
 
-// a fixed pairwise tree, lane i += lane i + width: the same for every call
-static inline float hsum(vf v) {
-    for (int width = LANES / 2; width > 0; width /= 2) v += __builtin_shuffle(v, iota() + width);
-    return v[0];
-}
-
 // a where the mask's lane is set, else b
 static inline vf select_vf(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
@@ -588,13 +582,14 @@ static inline vf sum_lanes(vf v[LANES]) {
 }
 
 static inline __attribute__((always_inline)) void
-attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *table,
+attend(const void *q, const char *k_cache, const char *v_cache, const int64_t *table,
        float *partial, int t0, int num_queries, int kv_head, int num_keys, int num_heads, int group,
        int block_size, const int64_t *stride, float scale, const int64_t *remap, int remap_from,
        int64_t q_stride, int segment, int segments, int segment_keys, const int chunks,
        const int is_bf16, const int kv_type) {  // query t0 + i sees keys 0..num_keys + i - 1
     int head_dim = chunks * LANES, elem = is_bf16 ? 2 : 4, pairs = num_queries * group;
     int kv_elem = kv_type ? 2 : 4, all_keys = num_keys + num_queries - 1;
+    int64_t ahead = 32 * stride[1] * kv_elem;  // bytes to 32 keys on: see the prefetch below
     vf qv[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES], acc[QUERY_BLOCK * MAX_GROUP][MAX_DIM / LANES];
     vf keys[LANES][MAX_DIM / LANES], values[LANES][MAX_DIM / LANES];
     float max_score[QUERY_BLOCK * MAX_GROUP];
@@ -613,9 +608,20 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
         // A chunk within one block (no tree path in it) has consecutive slots: one table lookup.
         int one_block = block_size % LANES == 0 && !(remap && l0 + LANES > remap_from);
         int64_t first = table[l0 / block_size] * stride[0] + l0 % block_size * stride[1];
-        // (No software prefetch: a KV head's keys are contiguous in the engine's head-major cache,
-        // across its blocks when their ids follow each other, and the hardware's prefetchers keep
-        // up; prefetching the next chunk, or 16-64 keys ahead, measured no faster, sessions 17-18.)
+        // Each key's lines are prefetched 32 keys ahead (`ahead`), K's and V's: a KV head's keys
+        // sit one after another in the engine's head-major cache, across its blocks where their ids
+        // follow each other (ensure_slots hands them out ascending), so 32 keys on is most often
+        // the same head's key 32 positions later. An item reads only a segment of 512 keys, too
+        // short a stream for the hardware's prefetchers to run far ahead: sampled on a Zen 5
+        // (avx512bf16), a T=9 step at 2,000 tokens spent 30% of its attention on the first loads
+        // of each chunk. With the prefetch, whole forwards taking turns with the build before
+        // (identical outputs), the default model, dtype auto: T=1 at 700 and 2,000 tokens
+        // 0.93x and 0.88x the time, T=9 at 700 and 2,000 0.97x and 0.94x, T=5 at 4,000 0.87x;
+        // on the avx2 emulation 0.98-1.00x at T=1, 0.96-0.98x at T=9, 0.91x at T=5 over 4,000; a
+        // 700-token prefill the same on both (BENCHMARKS.md, session 50). Sessions 17-18 had
+        // measured no gain on avx2, when every chunk took several times the cycles it takes now.
+        // A line past the pool, or of another head where the ids jump, is a wasted hint: a
+        // prefetch never faults.
 #pragma GCC unroll 16
         // key j in slot bit_reversed(j), the order sum_lanes wants (the loop unrolled, so that
         // bit_reversed(j) is a constant: at 2,000 keys, 12% faster on avx2, session 17)
@@ -628,10 +634,12 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
             int64_t at = one_block ? first + (l - l0) * stride[1]
                                    : table[l / block_size] * stride[0] + l % block_size * stride[1];
             at = (at + kv_head * stride[2]) * kv_elem;  // in bytes
+            for (int line = 0; line < head_dim * kv_elem; line += 64)
+                for (int kv = 0; kv < 2; kv++)
+                    __builtin_prefetch((kv ? v_cache : k_cache) + at + ahead + line);
             for (int c = 0; c < chunks; c++) {
-                keys[bit_reversed(j)][c] =
-                    load_vf((const char *)k_cache + at + c * LANES * kv_elem, kv_type);
-                values[j][c] = load_vf((const char *)v_cache + at + c * LANES * kv_elem, kv_type);
+                keys[bit_reversed(j)][c] = load_vf(k_cache + at + c * LANES * kv_elem, kv_type);
+                values[j][c] = load_vf(v_cache + at + c * LANES * kv_elem, kv_type);
             }
         }
         // Phase by phase over the (query, head) pairs, so that the CPU overlaps their independent
@@ -680,7 +688,9 @@ attend(const void *q, const void *k_cache, const void *v_cache, const int64_t *t
     for (int i = 0; i < pairs; i++) {  // this segment's sums, in fp32
         int64_t head = (int64_t)(t0 + i / group) * num_heads + kv_head * group + i % group;
         float *at = partial + (head * segments + segment) * (head_dim + 2);
-        at[0] = max_score[i], at[1] = hsum(total[i]);
+        // (the lanes summed by a fixed tree into lane 0: lane i += lane i + w)
+        for (int w = LANES / 2; w > 0; w /= 2) total[i] += __builtin_shuffle(total[i], iota() + w);
+        at[0] = max_score[i], at[1] = total[i][0];
         __builtin_memcpy(at + 2, acc[i], head_dim * 4);
     }
 }
