@@ -164,9 +164,11 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype, device) ->
     permuted view): an attention item reads one KV head, and its keys then sit side by side, a
     block's 16 keys of 64 fp16 dims in 2 KB and the next block's right after when the block ids
     follow each other (as ensure_slots hands them out), so the hardware's prefetchers see one long
-    stream instead of 128 bytes at a stride of all the heads. Measured on avx2, a layer's decode
-    attention over 2,000 tokens (2 threads): slot-major 162 -> 143 us head-major within a block
-    (session 17); that 120 -> 76 us head-major across the pool (session 18). The same bits.
+    stream instead of 128 bytes at a stride of all the heads, and the C kernel's own prefetch of
+    the key 32 positions on (cpu_kernels.c, attend) finds that key's lines. Measured on avx2, a
+    layer's decode attention over 2,000 tokens (2 threads): slot-major 162 -> 143 us head-major
+    within a block (session 17); that 120 -> 76 us head-major across the pool (session 18). The
+    same bits.
     Uninitialized (torch.empty), because no kernel reads a slot before it is written, by its own
     sequence or by the one whose cached prefix it shares (tests/test_engine.py fills a pool with
     NaN to check). Zeroing the default 1 GiB pool took 0.3 s of a 3-4 s start-up on a CPU and
