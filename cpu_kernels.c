@@ -646,11 +646,11 @@ attend(const void *q, const char *k_cache, const char *v_cache, const int64_t *t
             }
         }
         // Phase by phase over the (query, head) pairs, so that the CPU overlaps their independent
-        // chains.
-        int active = pairs;  // the pairs whose query sees some key of this chunk: a prefix of them
-        while (active > 0 && seen[active - 1] <= l0) active--;
+        // chains. Every pair takes every chunk: the block's last query sees the loop's every key,
+        // and an earlier query's keys past its own weigh e^-inf = 0 (below). (Until session 50 a
+        // count of "active" pairs stood here that always came to all of them.)
         vf p[QUERY_BLOCK * MAX_GROUP];
-        for (int i = 0; i < active; i++) {
+        for (int i = 0; i < pairs; i++) {
             // Each key's dot is its own chain over c; written c by c, the LANES chains interleave
             // in the code itself, where the CPU needs them to overlap (a T=5-64 item's attention
             // 4-6% faster on avx2, 2-4% slower on AVX-512's 16 chains of 4; session 19).
@@ -662,7 +662,7 @@ attend(const void *q, const char *k_cache, const char *v_cache, const int64_t *t
         }
         // alpha: e^(old max - new max), 0 on the first chunk (e^-inf); by exp_vf, not libm's expf:
         // no call in the loop (attention 6-9% faster on avx2, session 17)
-        for (int i = 0; i < active; i++) {
+        for (int i = 0; i < pairs; i++) {
             // (a max is exact in any order; a compare, not fmaxf, whose NaN rules cost a T=1 step
             // 4% on avx2, session 21)
             float chunk_max = p[i][0];
@@ -679,7 +679,7 @@ attend(const void *q, const char *k_cache, const char *v_cache, const int64_t *t
             total[i] = total[i] * alpha + p[i];
             for (int c = 0; alpha != 1.0f && c < chunks; c++) acc[i][c] *= alpha;
         }
-        for (int i = 0; i < active; i++) {
+        for (int i = 0; i < pairs; i++) {
             // Every key of the chunk, a constant count (the loop unrolled: attention 5-7% faster on
             // avx2, session 18): one query i does not see has p = e^-inf = 0 and a finite value
             // (past the last key, the chunk's first), so it adds +-0 and leaves acc's bits as they
