@@ -653,7 +653,8 @@ attend(const void *q, const char *k_cache, const char *v_cache, const int64_t *t
         for (int i = 0; i < pairs; i++) {
             // Each key's dot is its own chain over c; written c by c, the LANES chains interleave
             // in the code itself, where the CPU needs them to overlap (a T=5-64 item's attention
-            // 4-6% faster on avx2, 2-4% slower on AVX-512's 16 chains of 4; session 19).
+            // 4-6% faster on avx2, 2-4% slower on AVX-512's 16 chains of 4; session 19. On a Zen 5
+            // key by key measured within the noise on avx512bf16, 1-2% slower on avx2; session 50).
             vf partial[LANES] = {};
             for (int c = 0; c < chunks; c++)
                 for (int s = 0; s < LANES; s++) partial[s] += qv[i][c] * keys[s][c];
@@ -691,7 +692,7 @@ attend(const void *q, const char *k_cache, const char *v_cache, const int64_t *t
     for (int i = 0; i < pairs; i++) {  // this segment's sums, in fp32
         int64_t head = (int64_t)(t0 + i / group) * num_heads + kv_head * group + i % group;
         float *at = partial + (head * segments + segment) * (head_dim + 2);
-        // (the lanes summed by a fixed tree into lane 0: lane i += lane i + w)
+        // (its lanes summed by a fixed tree into lane 0: lane l += lane l + w)
         for (int w = LANES / 2; w > 0; w /= 2) total[i] += __builtin_shuffle(total[i], iota() + w);
         at[0] = max_score[i], at[1] = total[i][0];
         __builtin_memcpy(at + 2, acc[i], head_dim * 4);
