@@ -161,7 +161,11 @@ static inline vf exp_vf(vf x) {
 // the most rows one block can have (a tile's accumulators)
 #define MAX_BLOCK (LANES == 16 ? 16 : MAX_ROWS)
 #define CEIL(a, b) (((a) + (b) - 1) / (b))  // a / b rounded up
-#define ROW_BLOCKS(M) CEIL(M, (M) > 3 * MAX_ROWS ? MAX_ROWS : MAX_BLOCK)  // B; block i: M i / B on
+// Prefill: more rows than a verify step has (up to 18), in blocks of MAX_ROWS and tiles of WIDE
+// panels, x read in place; decode and verify in blocks of up to MAX_BLOCK (several: chunk by chunk
+// of k, CHUNK below), fp16 weights' x interleaved (linear). The one threshold every choice keys on.
+#define PREFILL(M) ((M) > 3 * MAX_ROWS)
+#define ROW_BLOCKS(M) CEIL(M, PREFILL(M) ? MAX_ROWS : MAX_BLOCK)  // B; block i from row M i / B
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
 // on AVX2, session 10). Into L2 (prefetcht1), not non-temporal: prefetchnta, landed for a
@@ -291,8 +295,8 @@ tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t M, i
 static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, int y_bf16) {
-    int blocked = wt && M > 3 * MAX_ROWS;  // prefill over 16-bit weights: tiles of WIDE panels
-    int64_t blocks = ROW_BLOCKS(M), chunk = blocks > 1 && M <= 3 * MAX_ROWS ? CHUNK : K2;
+    int blocked = wt && PREFILL(M);  // prefill over 16-bit weights: tiles of WIDE panels
+    int64_t blocks = ROW_BLOCKS(M), chunk = blocks > 1 && !PREFILL(M) ? CHUNK : K2;
     // the row blocks' accumulators between chunks, or on their way to y
     vf sums[3 * MAX_ROWS * PV * WIDE];
     for (int p0 = first; p0 < last; p0 += blocked ? WIDE : 1) {
@@ -446,7 +450,7 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
     // more than it saved). One row is the same either way. Gated rows (the MLP's down projection,
     // at every M) are always copied, as silu(g) u, in the layout their tiles read.
     // (elem: the bytes of an element of x; only gated rows come in bf16)
-    int interleaved = !amx && wt == 2 && M <= 3 * MAX_ROWS, elem = x_bf16 ? 2 : 4;
+    int interleaved = !amx && wt == 2 && !PREFILL(M), elem = x_bf16 ? 2 : 4;
     int64_t copied_rows = (amx && !x_bf16) || (M > 1 && interleaved) || gated ? M : 0;
     const void *rows = copied_rows ? scratch : x;  // (x's copy: the start of scratch)
     // Each thread owns an equal run of panels and walks every row through it: its weights stay in
@@ -483,7 +487,7 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
         // Prefill's tiles take WIDE panels (linear_panels; AMX's take two at every M): the threads'
         // shares are whole tiles. (Decode's stay single panels: 36 panels over 16 threads in pairs
         // would be 4 panels for some threads where 3 is the most now.)
-        int wide = M > 3 * MAX_ROWS ? WIDE : 1;
+        int wide = PREFILL(M) ? WIDE : 1;
         int first = num_panels * t / n / wide * wide, last = num_panels * (t + 1) / n / wide * wide;
         // (past x's copy; see linear_panels, amx_panels)
         float *own = scratch ? scratch + (copied_rows + t * 2 * PANEL) * K : 0;
