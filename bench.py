@@ -108,6 +108,31 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
     return {"tok_s": float(np.median(runs)), "tok_s_runs": runs}
 
 
+def run_llama_cpp(gguf: str, llm: LLM, prompts, args) -> float:
+    """tok/s of llama.cpp (llama-cpp-python, installed apart: README, "Benchmarks") on the same
+    token ids, one prompt at a time (its Python API decodes one sequence), greedy, each stopping
+    where nanospec's would (its EOS ids or --max-tokens); counted as run_hf counts, repeated
+    --repeat times (the median)."""
+    from llama_cpp import Llama
+
+    prompt_ids = [llm.tokenizer.encode(p) for p in prompts]
+    threads, context = torch.get_num_threads(), max(map(len, prompt_ids)) + args.max_tokens
+    llama = Llama(gguf, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+    next(llama.generate(prompt_ids[0], temp=0.0))  # warm-up
+    runs = []
+    for _ in range(args.repeat):
+        num_tokens, start = 0, time.perf_counter()
+        for ids in prompt_ids:
+            llama.reset()  # no prefix kept from the prompt before: nanospec's runs cache none
+            # (the generator decodes a token when asked for it: none past the last one counted)
+            for n, token in enumerate(llama.generate(ids, temp=0.0), 1):
+                if token in llm.eos_ids or n == args.max_tokens:
+                    break
+            num_tokens += n
+        runs.append(num_tokens / (time.perf_counter() - start))
+    return float(np.median(runs))
+
+
 TURN = "{} prompt tokens ({} cached), {} out: TTFT {:.3f} s, {:.1f} tok/s"
 
 
@@ -154,13 +179,8 @@ def two_turns(args, model, settings, params) -> list:
 def machine_info(dtype, device):
     import kernels
 
-    cpuinfo = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
-    cpu = next(
-        (row.partition(":")[2].strip() for row in cpuinfo if row.startswith("model name")),
-        platform.processor(),
-    )
     return {
-        "cpu": cpu,
+        "cpu": kernels.cpu_info("model name") or platform.processor(),
         "isa": kernels.cpu_isa(),
         "kernels": kernels.kernels_summary(device),
         "machine": platform.machine(),
@@ -198,7 +218,10 @@ def parse_args(argv=None):
     # auto: for the hardware (kernels.auto_dtype)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    # beside each row: transformers' tok/s at the row's batch size and method (hf: plain, or
+    # prompt lookup for n-gram at a fixed K), or llama.cpp's plain decoding beside every row of
+    # batch 1 (a GGUF file of the same model, e.g. convert_hf_to_gguf.py --outtype f16)
+    p.add_argument("--baseline", default="none", help="none, hf (transformers) or a .gguf file")
     p.add_argument("--spec-disable-batch-size", type=int)
     p.add_argument("--repeat", type=int, default=3)
     # --workload's rows with two 'turns' (MT-bench), at batch 1, plain decoding: turn 2's time to
@@ -233,7 +256,7 @@ def main(argv=None):
         return two_turns(args, model, settings, params)
     base = LLM(model, dtype=args.dtype, **settings)
     workload = read_workload(args.workload, base.tokenizer if args.chat else None)
-    hf = None
+    hf, gguf = None, args.baseline if args.baseline.endswith(".gguf") else None
     if args.baseline == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -260,13 +283,15 @@ def main(argv=None):
                 for llm, config_runs in zip(engines, runs):
                     config_runs.append(run_nanospec(llm, prompts, params))
                     progress.advance(task)
+            llama = run_llama_cpp(gguf, base, prompts, args) if gguf and b == 1 else None
             for (draft, k, nodes), config_runs in zip(configs, runs):
                 row = dict(method=draft, k=k, tree=nodes, batch=b, **median_run(config_runs))
+                row["base_tok_s"] = llama
                 if hf and (
                     draft == "none" or draft == "ngram" and not nodes and b == 1 and k != "auto"
                 ):
                     lookup = k if draft == "ngram" else None
-                    row["hf_tok_s"] = run_hf(
+                    row["base_tok_s"] = run_hf(
                         *hf, prompts, b, args.max_tokens, args.repeat, prompt_lookup=lookup
                     )["tok_s"]
                 results.append(row)
@@ -282,7 +307,7 @@ def main(argv=None):
             # the others
             r["speedup_vs_plain"] = np.median(np.divide(r["tok_s_runs"], ref["tok_s_runs"]))
             r["decode_speedup_vs_plain"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"]
-        r["speedup_vs_hf"] = r["tok_s"] / r["hf_tok_s"] if r.get("hf_tok_s") else None
+        r["speedup_vs_base"] = r["tok_s"] / r["base_tok_s"] if r["base_tok_s"] else None
     machine = machine_info(base.dtype, args.device)
     table = Table(
         title=f"nanospec bench · {args.model} · {machine['dtype']} · {args.workload} · "
@@ -290,7 +315,9 @@ def main(argv=None):
     )
     columns = "method,K,tree,batch,= plain,tok/s,req/s,TTFT p50/p90 ms,TPOT p50/p90 ms,mean acc len"
     left = ("method", "acc/pos", "K per step")  # text; the rest, numbers, right-aligned
-    for col in (columns + ",acc/pos,K per step,x plain,x plain decode,hf tok/s,x hf").split(","):
+    for col in (columns + ",acc/pos,K per step,x plain,x plain decode,base tok/s,x base").split(
+        ","
+    ):
         table.add_column(col, justify="left" if col in left else "right")
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
     ms = lambda r, key, f: f"{1000 * r[key + '_p50']:{f}}/{1000 * r[key + '_p90']:{f}}"
@@ -311,8 +338,8 @@ def main(argv=None):
             " ".join(f"{k}:{n}" for k, n in sorted(r["k_per_step"].items())) if r["k"] else "",
             fmt(r["speedup_vs_plain"]),
             fmt(r["decode_speedup_vs_plain"]),
-            fmt(r.get("hf_tok_s"), "{:.1f}"),
-            fmt(r["speedup_vs_hf"]),
+            fmt(r["base_tok_s"], "{:.1f}"),
+            fmt(r["speedup_vs_base"]),
         )
     Console(width=220).print(table)
     if args.json:

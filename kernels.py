@@ -90,11 +90,15 @@ def amx_permitted() -> bool:
     return ctypes.CDLL(None).syscall(158, 0x1023, 18) == 0
 
 
+def cpu_info(field: str) -> str:
+    """What /proc/cpuinfo's first line of `field` ("flags", "model name") says: '' off Linux, or
+    where there is no such line (no flags: the portable build)."""
+    rows = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    return next((row.partition(":")[2].strip() for row in rows if row.startswith(field)), "")
+
+
 def cpu_flags() -> set[str]:
-    try:
-        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    except (OSError, StopIteration):  # not Linux, or no flags line: the portable build
-        return set()
+    return set(cpu_info("flags").split())
 
 
 def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:

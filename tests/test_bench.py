@@ -1,8 +1,12 @@
 # bench.py end to end on a tiny model: the flags users pass (--device, --dtype auto, a JSONL
 # workload), and the JSON it writes (machine facts, identical-to-plain per row).
+import itertools
 import json
+import sys
+import types
 
 import tiny
+import torch
 
 import bench
 from nanospec import LLM
@@ -62,6 +66,53 @@ def test_bench_sweep_writes_machine_facts_and_identity(tmp_path, monkeypatch):
     for r in rows:
         ratios = sorted(a / b for a, b in zip(r["tok_s_runs"], plain[r["batch"]]))
         assert len(ratios) == 2 and abs(r["speedup_vs_plain"] - sum(ratios) / 2) < 1e-9
+
+
+def test_llama_cpp_baseline_counts_what_nanospec_would(tmp_path, monkeypatch):
+    """--baseline FILE.gguf: llama.cpp (a stand-in module here: llama-cpp-python is no dependency
+    of nanospec) gets the engine's own token ids, starts each prompt afresh (no prefix kept from
+    the one before), is asked for no token past EOS or --max-tokens, and its tok/s stands beside
+    every row of batch 1 and no other."""
+    tiny.write_checkpoint(tmp_path / "model", tiny.llama_like())
+    tiny.write_char_tokenizer(tmp_path / "model")
+    prompts = ["abcabcabc", "hello hello hello"]
+    workload = tmp_path / "prompts.jsonl"
+    workload.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+    llm = LLM(str(tmp_path / "model"), dtype="float32")
+    eos = min(llm.eos_ids)
+    calls = []
+
+    class Llama:  # the first prompt's 4th token is EOS; the second never ends
+        def __init__(self, path, n_ctx, n_threads, n_threads_batch, verbose):
+            assert path == "m.gguf" and n_threads == n_threads_batch == torch.get_num_threads()
+            self.fresh = True
+
+        def reset(self):
+            self.fresh = True
+
+        def generate(self, ids, temp):
+            calls.append((ids, self.fresh, temp, []))  # [] : the tokens asked for
+            self.fresh = False
+            for i in itertools.count():
+                calls[-1][3].append(i)
+                yield eos if ids == llm.tokenizer.encode(prompts[0]) and i == 3 else 7
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    args = ["--model", str(tmp_path / "model"), "--workload", str(workload), "--no-chat"]
+    args += ["--draft", "none,ngram", "--batch-sizes", "1,2", "--num-prompts", "2"]
+    out = tmp_path / "bench.json"
+    bench.main(
+        args + ["--max-tokens", "6", "--repeat", "2", "--baseline", "m.gguf", "--json", str(out)]
+    )
+    _, *timed = calls  # (the first: a warm-up) then each repeat's prompts, batch 1 only
+    assert [ids for ids, _, _, _ in timed] == [llm.tokenizer.encode(p) for p in prompts] * 2
+    assert all(fresh for _, fresh, _, _ in timed) and all(temp == 0.0 for _, _, temp, _ in calls)
+    assert [len(asked) for _, _, _, asked in timed] == [4, 6, 4, 6]  # EOS counted, none past
+    rows = json.loads(out.read_text())["results"]
+    for r in rows:
+        assert (r["base_tok_s"] is not None) == (r["batch"] == 1)
+        if r["batch"] == 1:
+            assert r["speedup_vs_base"] == r["tok_s"] / r["base_tok_s"]
 
 
 def test_two_turns_finds_turn_one_cached(tmp_path, capsys):
