@@ -237,6 +237,9 @@ def main(argv=None):
     from rich.table import Table
 
     args = parse_args(argv)
+    gguf = args.baseline if args.baseline.endswith(".gguf") else None
+    if not gguf and args.baseline not in ("none", "hf"):
+        raise SystemExit(f"--baseline: none, hf or a .gguf file, not {args.baseline!r}")
     model = None if args.model == "default" else args.model
     drafts = args.draft.split(",")
     ks = [k if k == "auto" else int(k) for k in args.num_spec_tokens.split(",")]
@@ -256,7 +259,7 @@ def main(argv=None):
         return two_turns(args, model, settings, params)
     base = LLM(model, dtype=args.dtype, **settings)
     workload = read_workload(args.workload, base.tokenizer if args.chat else None)
-    hf, gguf = None, args.baseline if args.baseline.endswith(".gguf") else None
+    hf = None
     if args.baseline == "hf":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -314,10 +317,9 @@ def main(argv=None):
         f"max_tokens {args.max_tokens} · {machine['cpu']} · {machine['kernels']}"
     )
     columns = "method,K,tree,batch,= plain,tok/s,req/s,TTFT p50/p90 ms,TPOT p50/p90 ms,mean acc len"
+    columns += ",acc/pos,K per step,x plain,x plain decode,base tok/s,x base"
     left = ("method", "acc/pos", "K per step")  # text; the rest, numbers, right-aligned
-    for col in (columns + ",acc/pos,K per step,x plain,x plain decode,base tok/s,x base").split(
-        ","
-    ):
+    for col in columns.split(","):
         table.add_column(col, justify="left" if col in left else "right")
     fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
     ms = lambda r, key, f: f"{1000 * r[key + '_p50']:{f}}/{1000 * r[key + '_p90']:{f}}"

@@ -5,6 +5,7 @@ import json
 import sys
 import types
 
+import pytest
 import tiny
 import torch
 
@@ -113,6 +114,11 @@ def test_llama_cpp_baseline_counts_what_nanospec_would(tmp_path, monkeypatch):
         assert (r["base_tok_s"] is not None) == (r["batch"] == 1)
         if r["batch"] == 1:
             assert r["speedup_vs_base"] == r["tok_s"] / r["base_tok_s"]
+
+
+def test_a_baseline_it_cannot_run_is_an_error():
+    with pytest.raises(SystemExit, match="--baseline: none, hf or a .gguf file, not 'llama'"):
+        bench.main(["--baseline", "llama"])
 
 
 def test_two_turns_finds_turn_one_cached(tmp_path, capsys):
