@@ -116,7 +116,9 @@ def test_llama_cpp_baseline_counts_what_nanospec_would(tmp_path, monkeypatch):
             assert r["speedup_vs_base"] == r["tok_s"] / r["base_tok_s"]
 
 
-def test_a_baseline_it_cannot_run_is_an_error():
+def test_an_unknown_baseline_is_an_error():
+    """Neither none, hf nor a .gguf file: bench.py stops before it loads a model (argparse's
+    choices could not name "a .gguf file")."""
     with pytest.raises(SystemExit, match="--baseline: none, hf or a .gguf file, not 'llama'"):
         bench.main(["--baseline", "llama"])
 
