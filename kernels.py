@@ -93,7 +93,7 @@ def amx_permitted() -> bool:
 def cpu_info(field: str) -> str:
     """What /proc/cpuinfo's first line of `field` ("flags", "model name") says: '' off Linux, or
     where there is no such line (no flags: the portable build)."""
-    rows = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    rows = open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else []  # (read up to it)
     return next((row.partition(":")[2].strip() for row in rows if row.startswith(field)), "")
 
 
