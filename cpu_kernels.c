@@ -123,8 +123,9 @@ static inline vf exp_vf(vf x) {
 // bf16 weights) take two panels in prefill too, straight from the packed weights (a panel's pairs
 // are one vector, nothing to widen): 12 dot-product chains, not 6; M=256 on a Zen 5 0.64x the time,
 // from 0.66x oneDNN's bf16 GEMM to 1.04x (session 48). AVX2 already has two vectors a panel row:
-// one panel there. Up to 18 rows, the row blocks (ROW_BLOCKS) re-read (from L1, a chunk of K at a
-// time: CHUNK below) and re-widen a thread's weights; beyond (prefill), each panel of 16-bit
+// one panel there. Up to 18 rows (AVX-512: 24), the row blocks (ROW_BLOCKS) re-read (from L1, a
+// chunk of K at a time: CHUNK below) and re-widen a thread's weights; beyond (prefill), each panel
+// of 16-bit
 // weights is widened once into an fp32 buffer that every row block reads (measured: direct wins
 // below 19 rows, widened above; BENCHMARKS.md, session 12). The whole panel, K x 16 floats (36-98
 // KB for the default model: L2; twice that on AVX-512, two panels), not chunks in L1: as fast on
@@ -146,7 +147,7 @@ static inline vf exp_vf(vf x) {
 // chains and re-read the panel (on a Zen 5, the default model's body linears at 17 and 18 rows took
 // 0.87x and 0.92x the time as 8 + 9 and 9 + 9 over fp16 weights, 0.80x and 0.79x in the bf16 dot
 // product). The same bits: a row's chain never depends on its block. So every build splits its rows
-// into B blocks, the fewest of at most MAX_BLOCK rows (up to 18 rows; prefill: of at most
+// into B blocks, the fewest of at most MAX_BLOCK rows (up to 3 MAX_ROWS rows; prefill: of at most
 // MAX_ROWS), near-equal in size: block i starts at row M i / B. On AVX2 7 = 3 + 4, 8 = 4 + 4,
 // 9 = 4 + 5, 13 = 4 + 4 + 5, not 6 + 1, 6 + 2, 6 + 3: a block of R rows has 2R chains, each taking
 // a FMA every 4 cycles, so below 4 rows a block waits on the latency (6 + 3: 12 + 8 cycles a pair
@@ -156,14 +157,23 @@ static inline vf exp_vf(vf x) {
 // 36). Prefill's blocks of 6 with what was left last made 19 rows 6 + 6 + 6 + 1, and a 1-row block
 // (2 chains on AVX-512) takes most of a 6-row block's time: split evenly (4 + 5 + 5 + 5), the body
 // linears at 19-31 rows took 0.94-0.97x the time on a Zen 5, on the avx2 emulation 0.96-0.99x at
-// 5-25 rows (session 49).
-#define MAX_ROWS (LANES == 4 ? 2 : 6)
+// 5-25 rows (session 49). AVX-512's prefill blocks take 8 rows: its tile of two panels then keeps
+// 16 chains, not 12 (16 accumulators, 2 weight vectors and a broadcast: 19 of its 32 registers),
+// and 19-24 rows go as a verify step's 2 blocks, each weight widened once a block, where as prefill
+// they were 4 blocks of 5-6 rows over a widened copy. On an Intel Xeon (Emerald Rapids, 2 threads,
+// avx512bf16, dtype auto, whole forwards taking turns with blocks of 6, the same bits): T=20 and 24
+// 0.77x and 0.83x the time, T=64 0.97x, T=256 0.98x, a 700-token prefill 0.99x; under --dtype
+// bfloat16 (the dot product) T=20 0.91x, T=256 0.97x; `bench.py kernels` (avx512) at M=256 read
+// 0.95-1.14x torch's fp32 GEMM in three runs, 0.80-1.14x with blocks of 6 (BENCHMARKS.md, session
+// 52; session 48 had measured 8 rows 1-5% faster there, the same on a Zen 5).
+#define MAX_ROWS (LANES == 4 ? 2 : LANES == 16 ? 8 : 6)
 // the most rows one block can have (a tile's accumulators)
 #define MAX_BLOCK (LANES == 16 ? 16 : MAX_ROWS)
 #define CEIL(a, b) (((a) + (b) - 1) / (b))  // a / b rounded up
-// Prefill: more rows than a verify step has (up to 18), in blocks of MAX_ROWS and tiles of WIDE
-// panels, x read in place; decode and verify in blocks of up to MAX_BLOCK (several: chunk by chunk
-// of k, CHUNK below), fp16 weights' x interleaved (linear). The one threshold every choice keys on.
+// Prefill: more rows than a verify step has (up to 18; AVX-512 24), in blocks of MAX_ROWS and
+// tiles of WIDE panels, x read in place; decode and verify in blocks of up to MAX_BLOCK (several:
+// chunk by chunk of k, CHUNK below), fp16 weights' x interleaved (linear). The one threshold every
+// choice keys on.
 #define PREFILL(M) ((M) > 3 * MAX_ROWS)
 #define ROW_BLOCKS(M) CEIL(M, PREFILL(M) ? MAX_ROWS : MAX_BLOCK)  // B; block i from row M i / B
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
@@ -187,7 +197,7 @@ static inline vf exp_vf(vf x) {
 // (avx2) 64 pairs took M=1 and T=1 1.04x the time (session 38), and 64 or 128 measured within the
 // noise on a Zen 4 (session 24, avx512bf16, when the tiles were slower): AVX2 keeps 32.
 #define AHEAD (LANES == 16 ? 64 : 32)
-// A verify step of 7-18 rows in 2-3 row blocks (ROW_BLOCKS; on AVX-512 only 17-18 rows take more
+// A verify step of 7-18 rows in 2-3 row blocks (ROW_BLOCKS; on AVX-512 only 17-24 rows take more
 // than one) walks each panel in chunks of CHUNK pairs of k (4 KB of fp16 weights), every row block
 // through a chunk before the next chunk, the blocks' accumulators kept in `sums` between chunks.
 // The second block's pass then reads the chunk from L1 while the first block's prefetches keep the
@@ -432,9 +442,9 @@ static inline vf silu_mul_vf(const char *p, int64_t half, int type) {
 // product, W bf16 too). amx: the tiles take the product (an amx build, K a multiple of 32, bf16 x
 // or fp16 weights: kernels.linear_args decides); fp32 x is split into halves, x_hi rows first. W
 // packed fp32, bf16 or fp16 (wt 0, 1, 2; fp16 needs F16C); y and its bias fp32 or bf16 (y_bf16).
-// scratch: K * 32 floats a thread, after M * K for x's copy (up to 18 rows, or AMX's halves:
-// kernels.c_linear). What changes from call to call comes first; the layer's own come as one
-// array, `layer`, that kernels.linear_args fills once a layer: w, bias, N, K, x_bf16, amx, wt,
+// scratch: K * 32 floats a thread, after M * K for x's copy (up to 3 MAX_ROWS rows, or AMX's
+// halves: kernels.c_linear). What changes from call to call comes first; the layer's own come as
+// one array, `layer`, that kernels.linear_args fills once a layer: w, bias, N, K, x_bf16, amx, wt,
 // y_bf16. (ctypes converts each argument of every call, about 0.25 us each: 14 arguments took
 // 3.8 us a call, 7 take 2.1, and a decode step makes 121 of these calls: T=1 forwards 0.98-0.99x
 // the time on the Zen 3, taking turns every forward, 150 pairs; session 39.)
