@@ -125,14 +125,14 @@ static inline vf exp_vf(vf x) {
 // from 0.66x oneDNN's bf16 GEMM to 1.04x (session 48). AVX2 already has two vectors a panel row:
 // one panel there. Up to 18 rows (AVX-512: 24), the row blocks (ROW_BLOCKS) re-read (from L1, a
 // chunk of K at a time: CHUNK below) and re-widen a thread's weights; beyond (prefill), each panel
-// of 16-bit
-// weights is widened once into an fp32 buffer that every row block reads (measured: direct wins
-// below 19 rows, widened above; BENCHMARKS.md, session 12). The whole panel, K x 16 floats (36-98
-// KB for the default model: L2; twice that on AVX-512, two panels), not chunks in L1: as fast on
-// avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of k, 175-189 whole; BENCHMARKS.md, session
-// 20). What makes it fast is what the loop does not do: every shape and dtype is a compile-time
-// constant (no flag tests, no spilled row pointers), and x is fp32 before the call, so a broadcast
-// is one load. `bench.py kernels` counts the instructions per FMA of the inner loops.
+// of 16-bit weights is widened once into an fp32 buffer that every row block reads (measured:
+// direct wins below 19 rows, widened above; BENCHMARKS.md, session 12). The whole panel, K x 16
+// floats (36-98 KB for the default model: L2; twice that on AVX-512, two panels), not chunks in
+// L1: as fast on avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of k, 175-189 whole;
+// BENCHMARKS.md, session 20). What makes it fast is what the loop does not do: every shape and
+// dtype is a compile-time constant (no flag tests, no spilled row pointers), and x is fp32 before
+// the call, so a broadcast is one load. `bench.py kernels` counts the instructions per FMA of the
+// inner loops.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
 #define WIDE (LANES == 16 ? 2 : 1)
