@@ -164,8 +164,8 @@ static inline vf exp_vf(vf x) {
 // avx512bf16, dtype auto, whole forwards taking turns with blocks of 6, the same bits): T=20 and 24
 // 0.77x and 0.83x the time, T=64 0.97x, T=256 0.98x, a 700-token prefill 0.99x; under --dtype
 // bfloat16 (the dot product) T=20 0.91x, T=256 0.97x; `bench.py kernels` (avx512) at M=256 read
-// 0.95-1.14x torch's fp32 GEMM in three runs, 0.80-1.14x with blocks of 6 (BENCHMARKS.md, session
-// 52; session 48 had measured 8 rows 1-5% faster there, the same on a Zen 5).
+// 0.91-1.14x torch's fp32 GEMM in five runs, 0.80-1.14x in three with blocks of 6 (BENCHMARKS.md,
+// session 52; session 48 had measured 8 rows 1-5% faster there, the same on a Zen 5).
 #define MAX_ROWS (LANES == 4 ? 2 : LANES == 16 ? 8 : 6)
 // the most rows one block can have (a tile's accumulators)
 #define MAX_BLOCK (LANES == 16 ? 16 : MAX_ROWS)
