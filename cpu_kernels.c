@@ -159,8 +159,8 @@ static inline vf exp_vf(vf x) {
 // linears at 19-31 rows took 0.94-0.97x the time on a Zen 5, on the avx2 emulation 0.96-0.99x at
 // 5-25 rows (session 49). AVX-512's prefill blocks take 8 rows: its tile of two panels then keeps
 // 16 chains, not 12 (16 accumulators, 2 weight vectors and a broadcast: 19 of its 32 registers),
-// and 19-24 rows go as a verify step's 2 blocks, each weight widened once a block, where as prefill
-// they were 4 blocks of 5-6 rows over a widened copy. On an Intel Xeon (Emerald Rapids, 2 threads,
+// and 19-24 rows go as a verify step's 2 blocks, each weight widened once a block (as prefill
+// they were 4 blocks of 5-6 rows over a widened copy). On an Intel Xeon (Emerald Rapids, 2 threads,
 // avx512bf16, dtype auto, whole forwards taking turns with blocks of 6, the same bits): T=20 and 24
 // 0.77x and 0.83x the time, T=64 0.97x, T=256 0.98x, a 700-token prefill 0.99x; under --dtype
 // bfloat16 (the dot product) T=20 0.91x, T=256 0.97x; `bench.py kernels` (avx512) at M=256 read
