@@ -362,23 +362,29 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 // buffer of the whole panel pair that the other row blocks read, or, where it is the only row
 // block (decode, verify), into one block's 4 KB, which stays in L1 (M=1 15% faster than writing
 // through the whole panel's buffer; splitting the next block before this one's products measured
-// within the noise; BENCHMARKS.md, session 21). bf16 x and
-// weights (--dtype bfloat16) take one product: their weights are tile rows as packed (a pair of k
-// in each 32-bit word, 16 columns a 64-byte row).
+// within the noise; BENCHMARKS.md, session 21). Each panel's part of a block is split just before
+// its own first product, the second panel's after the first panel's: the tile unit multiplies
+// while the vector units split, where until session 53 both panels were split first, then all six
+// products ran. On an Intel Xeon (Emerald Rapids, 2 threads, taking turns with the old order, the
+// same bits): the default model's 121 linears, cold, at M=1 0.83-0.88x the time, M=5 0.90x, M=9
+// 0.93-0.98x, M=64 and 256 0.97-0.99x; whole forwards T=1-9 0.89-0.95x, a 700-token prefill
+// 0.95-1.00x. All six products of one panel in a row (three on one accumulator, each waiting for
+// the last) made prefill 1.06-1.08x slower. bf16 x and weights (--dtype bfloat16) take one
+// product: their weights are tile rows as packed (a pair of k in each 32-bit word, 16 columns a
+// 64-byte row).
 //
 // Tiles 0-1 hold the sums of one row block x 2 panels, 4-5 x_hi and x_lo, 6-7 the panels'
 // weights. A row block is min(M, 16) rows; the last one starts at M - 16 and recomputes rows the
 // one before wrote (the same bits); past the thread's last panel the second panel repeats the
 // first: tile shapes stay one configuration a call. (Not inlined: inside linear's parallel region
 // it kept the FMA tiles' accumulators on the stack, 37 instructions for 12 FMAs instead of 19.)
-static void split_weights(const char *w0, const char *w1, int64_t pairs, vu *out) {
-    for (int64_t i = 0; i < 2 * pairs; i++) {  // out[pair][w0 hi, w1 hi, w0 lo, w1 lo][16]
-        const char *pair = (i % 2 ? w1 : w0) + i / 2 * 64;
-        __builtin_prefetch(pair + 32 * 64);  // 2 blocks ahead: decode would wait for memory
-        vu k0 = (vu)load_vf(pair, 2), k1 = (vu)load_vf(pair + 32, 2);
+static void split_weights(const char *w, int64_t pairs, vu *out) {
+    for (int64_t i = 0; i < pairs; i++, w += 64) {  // out[pair][4][16]: this panel's at 0 and 2
+        __builtin_prefetch(w + 32 * 64);  // 2 blocks ahead: decode would wait for memory
+        vu k0 = (vu)load_vf(w, 2), k1 = (vu)load_vf(w + 32, 2);
         vu hi0 = k0 & 0xFFFF0000u, hi1 = k1 & 0xFFFF0000u;  // exact: the low bits go to lo
-        out[i / 2 * 4 + i % 2] = hi1 | hi0 >> 16;
-        out[i / 2 * 4 + 2 + i % 2] = (vu)((vf)k1 - (vf)hi1) | (vu)((vf)k0 - (vf)hi0) >> 16;
+        out[i * 4] = hi1 | hi0 >> 16;
+        out[i * 4 + 2] = (vu)((vf)k1 - (vf)hi1) | (vu)((vf)k0 - (vf)hi0) >> 16;
     }
 }
 
@@ -400,12 +406,13 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
             for (int64_t kp = 0; kp < K2; kp += 16) {
                 const char *h0 = w0 + kp * 64, *h1 = w1 + kp * 64;  // bf16: the packed tile rows
                 vu *block = own + kp * 4 * (M > 16);  // (one row block: always the first)
-                if (split && !m) split_weights(h0, h1, 16, block);  // then read by every row block
-                if (split) h0 = (const char *)block, h1 = h0 + 64;
+                if (split) h0 = (const char *)block, h1 = h0 + 64;  // (the first row block splits)
                 _tile_loadd(4, x + 2 * (m0 * K2 + kp), 4 * K2);
+                if (split && !m) split_weights(w0 + kp * 64, 16, block);  // (w_hi at 0, w_lo 2)
                 _tile_loadd(6, h0, stride);
-                _tile_loadd(7, h1, stride);
                 _tile_dpbf16ps(0, 4, 6);
+                if (split && !m) split_weights(w1 + kp * 64, 16, block + 1);  // (1 and 3)
+                _tile_loadd(7, h1, stride);
                 _tile_dpbf16ps(1, 4, 7);
                 if (!split) continue;
                 _tile_loadd(5, x + 2 * ((M + m0) * K2 + kp), 4 * K2);  // x_lo
