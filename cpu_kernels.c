@@ -367,11 +367,11 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 // while the vector units split. Until session 53 one loop split both panels, alternating between
 // them (27 instructions for each 64 bytes of weights, 17 now), then all six products ran. On an
 // Intel Xeon (Emerald Rapids, 2 threads, taking turns with that build, the same bits): the default
-// model's 121 linears, cold, at M=1 0.83-0.88x the time, M=5 0.90x, M=9 0.93-0.98x, M=64 and 256
-// 0.97-0.99x; whole forwards T=1-9 0.89-0.95x, a 700-token prefill 0.95-1.00x. About half of it is
+// model's 121 linears, cold, at M=1 0.86-0.88x the time, M=9 0.90-0.98x, M=64 and 256
+// 0.97-0.99x; whole forwards T=1-9 0.88-0.95x, a 700-token prefill 0.95-1.00x. About half of it is
 // the shorter loop (both panels split first, then the products: M=1 1.05x the time of splitting
 // between them). All six products of one panel in a row (three on one accumulator, each waiting
-// for the last) made prefill 1.06-1.08x slower. bf16 x and weights (--dtype bfloat16) take one
+// for the last) made prefill 1.06-1.10x slower. bf16 x and weights (--dtype bfloat16) take one
 // product: their weights are tile rows as packed (a pair of k in each 32-bit word, 16 columns a
 // 64-byte row).
 //
