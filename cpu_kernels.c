@@ -381,7 +381,7 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 // first: tile shapes stay one configuration a call. (Not inlined: inside linear's parallel region
 // it kept the FMA tiles' accumulators on the stack, 37 instructions for 12 FMAs instead of 19.)
 static void split_weights(const char *w, int64_t pairs, vu *out) {
-    for (int64_t i = 0; i < pairs; i++, w += 64) {  // out[pair][4][16]: this panel's at 0 and 2
+    for (int64_t i = 0; i < pairs; i++, w += 64) {  // out[pair][4][16]: hi at 0, lo at 2
         __builtin_prefetch(w + 32 * 64);  // 2 blocks ahead: decode would wait for memory
         vu k0 = (vu)load_vf(w, 2), k1 = (vu)load_vf(w + 32, 2);
         vu hi0 = k0 & 0xFFFF0000u, hi1 = k1 & 0xFFFF0000u;  // exact: the low bits go to lo
@@ -408,9 +408,9 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
             for (int64_t kp = 0; kp < K2; kp += 16) {
                 const char *h0 = w0 + kp * 64, *h1 = w1 + kp * 64;  // bf16: the packed tile rows
                 vu *block = own + kp * 4 * (M > 16);  // (one row block: always the first)
-                if (split) h0 = (const char *)block, h1 = h0 + 64;  // (the first row block splits)
+                if (split) h0 = (const char *)block, h1 = h0 + 64;  // (the halves, split below)
                 _tile_loadd(4, x + 2 * (m0 * K2 + kp), 4 * K2);
-                if (split && !m) split_weights(w0 + kp * 64, 16, block);  // (w_hi at 0, w_lo 2)
+                if (split && !m) split_weights(w0 + kp * 64, 16, block);  // (its w_hi, w_lo: 0, 2)
                 _tile_loadd(6, h0, stride);
                 _tile_dpbf16ps(0, 4, 6);
                 if (split && !m) split_weights(w1 + kp * 64, 16, block + 1);  // (1 and 3)
