@@ -499,7 +499,13 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
                 int64_t m = interleaved ? j : i, k0 = (interleaved ? i : j) * LANES;
                 const char *gate = (const char *)x + (m * 2 * K + k0) * elem;  // (gated rows)
                 vf v = gated ? silu_mul_vf(gate, K * elem, x_bf16) : (vf){};
-                for (int64_t k = k0; k < k0 + LANES && k < K; k++) {
+                // Vectorized: each k's arithmetic is its own, so the bits are the same. Bounded by
+                // `k < k0 + LANES && k < K`, GCC could not count the iterations and left the loop
+                // scalar, and AMX's halves of fp32 rows made a T=9 forward 1.07x as long on the amx
+                // build (an Emerald Rapids, whole forwards taking turns; T=1 about 1.02x; the FMA
+                // builds' copies within the noise; session 53).
+#pragma omp simd
+                for (int64_t k = k0; k < (k0 + LANES < K ? k0 + LANES : K); k++) {
                     // x_hi (rounded as torch rounds), x_lo
                     bf16 *half = (bf16 *)scratch + m * K + k;
                     float value = gated ? v[k - k0] : ((const float *)x)[m * K + k];
