@@ -501,9 +501,9 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
                 vf v = gated ? silu_mul_vf(gate, K * elem, x_bf16) : (vf){};
                 // Vectorized: each k's arithmetic is its own, so the bits are the same. Bounded by
                 // `k < k0 + LANES && k < K`, GCC could not count the iterations and left the loop
-                // scalar, and AMX's halves of fp32 rows made a T=9 forward 1.07x as long on the amx
-                // build (an Emerald Rapids, whole forwards taking turns; T=1 about 1.02x; the FMA
-                // builds' copies within the noise; session 53).
+                // scalar, and AMX's halves of fp32 rows made a T=9 forward 1.02-1.07x as long on
+                // the amx build, a 256- or 700-token prefill 1.13-1.15x (an Emerald Rapids, whole
+                // forwards taking turns; the FMA builds' copies within the noise; session 53).
 #pragma omp simd
                 for (int64_t k = k0; k < (k0 + LANES < K ? k0 + LANES : K); k++) {
                     // x_hi (rounded as torch rounds), x_lo
