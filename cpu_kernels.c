@@ -439,7 +439,9 @@ static __attribute__((noinline)) void amx_panels(const bf16 *x, const char *w, c
 // rows [g | u], fp32 or bf16 (type), g at p and u `half` bytes on, silu(g) = g / (1 + e^-g), or
 // g e^g / (1 + e^g) below 0 (exp_vf takes x <= 0). One formula for every row at every M, like
 // torch's (not bit for bit the same as torch's: within an ulp or two); bf16 rounds silu(g) to
-// bf16 before the product, as torch's two ops do (the caller rounds the product).
+// bf16 before the product, as torch's two ops do (the caller rounds the product). Whole vectors:
+// K, the up half's width, is a multiple of 16 (kernels.silu_mul_linear gates only then), so a
+// row's last vector never reads past its end.
 static inline vf silu_mul_vf(const char *p, int64_t half, int type) {
     vf g = load_vf(p, type), e = exp_vf((vf)((vu)g | 0x80000000u));  // e^-|g|
     vu s = (vu)(g * select_vf(g < 0, e, splat(1.0f)) / (1.0f + e));
