@@ -35,9 +35,7 @@ def read_workload(spec: str, chat_tokenizer=None) -> list[str]:
     path = Path(__file__).with_name("examples") / WORKLOADS[spec] if spec in WORKLOADS else spec
     prompts = read_prompts_file(path)
     if chat_tokenizer and chat_tokenizer.chat_template:
-        prompts = [
-            chat_tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
-        ]
+        prompts = [chat_tokenizer.apply_chat_template(p) for p in prompts]
     return prompts
 
 

@@ -95,14 +95,14 @@ class GoodputChooser:
             seconds / self.verify_cost(num_tokens, keys) - self.verify_scale
         )
 
-    def observe_step(self, scheduled, batch, draft_seconds: float, verify_seconds: float):
-        """A decode-shaped step's times: drafting (per draft step, the longest chain's K of them)
-        and verification (the target forward over the batch's tokens and cached keys)."""
+    def observe_step(self, speculating, batch, draft_seconds: float, verify_seconds: float):
+        """A decode-shaped step's times: drafting (per draft step, the longest chain's K of them,
+        over the step's `speculating` items) and verification (the target forward over the
+        batch's tokens and cached keys)."""
         keys = sum(len(tokens) * (start + 1) for _, tokens, start in batch)
         self.observe_verify(sum(len(tokens) for _, tokens, _ in batch), keys, verify_seconds)
-        speculating = [it for it in scheduled if it.num_spec > 0]
         if speculating:
-            k = max(it.max_depth for it in scheduled)
+            k = max(it.max_depth for it in speculating)
             self.observe_draft(len(speculating), draft_seconds / k)
 
     def observe_draft(self, drafting: int, seconds: float):

@@ -384,10 +384,7 @@ def c_linear(x, layer: Linear, gated=False):
     assert rows.dtype == dtype, f"{rows.dtype} rows for a linear built for {dtype}"
     if widen:  # (bf16 rows where the kernel takes fp32: gated as torch gates them)
         rows, gated = (silu_mul(rows) if gated else rows).float(), False
-    if pad:
-        rows = F.pad(rows, (0, 1))
-    elif not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = F.pad(rows, (0, 1)) if pad else rows.contiguous()  # (contiguous: rows themselves if so)
     num_rows, threads, in_features = rows.shape[0], torch.get_num_threads(), fixed[3]
     out = torch.empty(num_rows, layer.out_features, dtype=x.dtype)
     # Room for x interleaved, [k][M] (fp16 weights, up to 18 rows, 24 on AVX-512), gated (every

@@ -122,8 +122,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence):
         """Free the newest sequence's blocks; it is recomputed from its tokens when readmitted."""
-        self.running.remove(seq)
-        self.blocks.free(seq)
+        self.remove(seq)
         seq.num_cached = seq.num_draft_cached = 0
         self.waiting.appendleft(seq)
         self.stats["preemptions"] += 1
@@ -410,7 +409,7 @@ class LLMEngine:
             # without; BENCHMARKS.md, session 45).
             model_drafts = isinstance(self.proposer, (DraftModelProposer, MLPProposer))
             drafting = proposed - started if model_drafts else 0.0
-            chooser.observe_step(scheduled, batch, drafting, clock(self.device) - proposed)
+            chooser.observe_step(speculating, batch, drafting, clock(self.device) - proposed)
         return [it.seq for it in sampling if it.seq.finish_reason is not None]
 
     # -- commit -----------------------------------------------------------------------------
@@ -743,9 +742,7 @@ def main(argv=None) -> int:
             require(llm.tokenizer is not None, "--chat needs a tokenizer.json in the model folder")
             if conversation:
                 return chat(llm, params, console)
-            prompts = [
-                llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts
-            ]
+            prompts = [llm.tokenizer.apply_chat_template(p) for p in prompts]
         prompts = prompts or ["Write a short poem about the sea."]
         start = time.perf_counter()
         if console.is_terminal:  # stream

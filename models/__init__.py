@@ -184,10 +184,13 @@ class Tokenizer:
             token = token.get("content")
         return self.tokenizer.token_to_id(token) if token else None
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict] | str) -> str:
+        """The chat template's text for `messages`, or for one user message."""
         require(
             self.chat_template, "--chat: this model's tokenizer_config.json has no chat_template"
         )
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
         # a downloaded template is untrusted code: keep it away from Python internals
         import jinja2.sandbox
 

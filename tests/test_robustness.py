@@ -236,9 +236,9 @@ def test_chat_templates_render_in_a_sandbox(tmp_path):
     config.write_text(
         json.dumps({"chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}"})
     )
-    assert (
-        Tokenizer(str(tmp_path)).apply_chat_template([{"role": "user", "content": "hi"}]) == "<hi>"
-    )
+    tokenizer = Tokenizer(str(tmp_path))
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<hi>"
+    assert tokenizer.apply_chat_template("hi") == "<hi>"  # (one user message)
     for escape in (
         "{{ ''.__class__.__mro__[1].__subclasses__() }}",
         "{{ cycler.__init__.__globals__.os.popen('echo pwned').read() }}",
