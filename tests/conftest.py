@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 def pytest_sessionstart(session):
     """Every C build the tests load, compiled two at a time before the first test. The tests load
     one build per ISA this CPU runs (tests/test_exactness.py), and one -O3 build of cpu_kernels.c
-    takes one core 20-65 s (an AVX-512 build inlines its tile loops into one large function); built
-    one after another as each ISA's first test came, they took 4 of CI's 15 minutes. A build
-    already in the cache dir is loaded, not built again."""
+    takes one core 20-65 s (an AVX-512 build inlines its tile loops into one large function);
+    built one after another as each ISA's first test came, they took 3.5 of the suite's 15
+    minutes. A build already in the cache dir is loaded, not built again."""
     import concurrent.futures
 
     import kernels
