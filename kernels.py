@@ -9,6 +9,7 @@ import functools
 import hashlib
 import os
 import subprocess
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,8 +187,10 @@ def cpu_kernels(isa: str | None = None):
     key = hashlib.sha1(source.read_bytes() + " ".join(command).encode()).hexdigest()[:12]
     library = cache_dir() / f"cpu_kernels-{isa}-{key}.so"
     if not library.exists():
-        # renamed: no build ever sees half a file
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        # renamed: no build ever sees half a file. A file of this thread's own: the tests build
+        # two ISAs at a time (tests/conftest.py), and where one falls back to the next one down
+        # (amx without Linux's tile state), both threads may build the same library at once.
+        partial = library.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:  # no compiler, a failed build or an unwritable cache dir: the torch path still works
             library.parent.mkdir(parents=True, exist_ok=True)
             subprocess.run(command + ["-o", str(partial)], check=True, capture_output=True)

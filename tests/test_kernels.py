@@ -1,12 +1,14 @@
 # Every triton_* kernel against its torch_* reference, on fresh random inputs each run (the seed is
 # printed on failure; NANOSPEC_TEST_SEED=<n> replays it). On CPU the kernels run under
 # TRITON_INTERPRET=1 (set in conftest.py), where fp32 and fp16 are exact but bf16 is broken.
+import concurrent.futures
 import contextlib
 import functools
 import os
 import random
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -544,6 +546,30 @@ def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
         if kernels.cpu_kernels() is None:
             continue
         assert kernels.cpu_isa() == isa and len(list(tmp_path.glob(f"cpu_kernels-{isa}-*.so"))) == 1
+
+
+def test_two_threads_building_one_library_both_load_it(monkeypatch, tmp_path):
+    """tests/conftest.py builds two ISAs at a time, and a build that falls back to the one below
+    (amx without Linux's tile state) can build the same library as the other thread, at once:
+    each writes a file of its own before the rename, and both load the build. (With one file a
+    process, both compilers wrote the same file and the second rename found none: that thread
+    warned and went without its build.)"""
+    if kernels.cpu_kernels() is None:
+        pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
+    # at -O0, and done a second before it exits: both builds have written their file by the
+    # time either renames it
+    compiler = tmp_path / "cc"
+    compiler.write_text(f'#!/bin/sh\n{os.environ.get("CC", "cc")} "$@" -O0 && sleep 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    build = kernels.cpu_kernels.__wrapped__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a failed build warns: here it fails
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            libs = list(pool.map(build, [kernels.cpu_isa()] * 2))
+    assert all(lib is not None and lib.isa == kernels.cpu_isa() for lib in libs)
+    assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1 and not list(tmp_path.glob("*.tmp"))
 
 
 def test_amx_refused_by_linux_runs_the_avx512bf16_build(monkeypatch, tmp_path):
