@@ -270,13 +270,15 @@ X_AND_W_DTYPES = pytest.mark.parametrize(
 )
 
 
-def quick_compiler(tmp_path, refuse: str = "") -> str:
+def quick_compiler(tmp_path, refuse: str = "", linger: int = 0) -> str:
     """The system's C compiler at -O0 (after kernels' -O3, so it wins), refusing any command with
-    `refuse` in it as an old GCC refuses a flag it lacks: for tests of which library cpu_kernels()
-    builds and loads, not of its code (a -O3 build takes 10-40 s on a 2-core Zen 3, -O0 a few)."""
+    `refuse` in it as an old GCC refuses a flag it lacks, and waiting `linger` seconds after a
+    build before it exits: for tests of which library cpu_kernels() builds and loads, not of its
+    code (a -O3 build takes 10-40 s on a 2-core Zen 3, -O0 a few)."""
     compiler = tmp_path / "cc"
     refusal = f'case "$*" in *{refuse}*) exit 1;; esac\n' if refuse else ""
-    compiler.write_text(f'#!/bin/sh\n{refusal}exec {os.environ.get("CC", "cc")} "$@" -O0\n')
+    build = f'{os.environ.get("CC", "cc")} "$@" -O0 && sleep {linger}'  # (a failure: cc's status)
+    compiler.write_text(f"#!/bin/sh\n{refusal}{build}\n")
     compiler.chmod(0o755)
     return str(compiler)
 
@@ -556,12 +558,9 @@ def test_two_threads_building_one_library_both_load_it(monkeypatch, tmp_path):
     warned and went without its build.)"""
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
-    # at -O0, and done a second before it exits: both builds have written their file by the
-    # time either renames it
-    compiler = tmp_path / "cc"
-    compiler.write_text(f'#!/bin/sh\n{os.environ.get("CC", "cc")} "$@" -O0 && sleep 1\n')
-    compiler.chmod(0o755)
-    monkeypatch.setenv("CC", str(compiler))
+    # done a second before it exits: both builds have written their file by the time either
+    # renames it
+    monkeypatch.setenv("CC", quick_compiler(tmp_path, linger=1))
     monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
     build = kernels.cpu_kernels.__wrapped__
     with warnings.catch_warnings():
