@@ -94,7 +94,9 @@ def amx_permitted() -> bool:
 def cpu_info(field: str) -> str:
     """What /proc/cpuinfo's first line of `field` ("flags", "model name") says: '' off Linux, or
     where there is no such line (no flags: the portable build)."""
-    rows = open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else []  # (read up to it)
+    # (read whole and closed: an open file left to the garbage collector warns)
+    cpuinfo = Path("/proc/cpuinfo")
+    rows = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     return next((row.partition(":")[2].strip() for row in rows if row.startswith(field)), "")
 
 
