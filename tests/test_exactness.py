@@ -10,6 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import split_fma_chains
 from test_kernels import DEVICE, X_AND_W_DTYPES, c_rotary, make_paged_batch, rebuild_cpu_kernels
 
 import kernels
@@ -76,21 +77,16 @@ def test_c_linear_outputs_do_not_depend_on_the_thread_count(c_isa, w_dtype):
                 assert torch.equal(y, expected), f"N={n}, {count} threads: {len(y)} rows differ"
 
 
-def test_c_linear_rows_stay_invariant_under_a_compiler_that_splits_fma_chains(
-    monkeypatch, tmp_path
-):
+def test_c_linear_rows_stay_invariant_under_a_compiler_that_splits_fma_chains(monkeypatch):
     """GCC 13's default tuning compiles some FMA chains as a multiply and an add; built that way,
     the AVX-512 linear's 1-row tiles summed differently from its other tiles (kernels.build_command
     turns it off). Here the compiler is told to split chains of up to 512 bits ahead of
-    build_command's own flags, which must win: the rows stay the same bits at every M."""
+    build_command's own flags, which must win: the rows stay the same bits at every M. (Without
+    build_command's `avoid-fma-max-bits=0`, the AVX-512 builds' rows differ at M=1; the avx2
+    build's do not.) The library's cache key hashes its command, so it never stands in for the
+    real build."""
     build = kernels.build_command
-
-    def split_chains(isa, source):
-        command = build(isa, source)
-        return [command[0], "--param=avoid-fma-max-bits=512", *command[1:]]
-
-    monkeypatch.setattr(kernels, "build_command", split_chains)
-    monkeypatch.setenv("NANOSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "build_command", lambda *args: split_fma_chains(build(*args)))
     rebuild_cpu_kernels(monkeypatch)
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
