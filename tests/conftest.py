@@ -31,11 +31,16 @@ def pytest_sessionstart(session):
         list(pool.map(lambda build: build(), builds))
 
 
-def split_fma_chains(command: list[str]) -> list[str]:
-    """A build command behind a compiler whose default tuning splits FMA chains of up to 512 bits
-    into a multiply and an add, as GCC 13's does: kernels.build_command's own flags come after it,
-    and must win (tests/test_exactness.py)."""
-    return [command[0], "--param=avoid-fma-max-bits=512", *command[1:]]
+def split_fma_chains(build_command):
+    """build_command(isa, source) behind a compiler whose default tuning splits FMA chains of up to
+    512 bits into a multiply and an add, as GCC 13's does: kernels.build_command's own flags come
+    after it, and must win (tests/test_exactness.py)."""
+
+    def command(isa, source):
+        compiler, *rest = build_command(isa, source)
+        return [compiler, "--param=avoid-fma-max-bits=512", *rest]
+
+    return command
 
 
 def build_under_split_fma_chains():
@@ -48,11 +53,8 @@ def build_under_split_fma_chains():
 
     tests = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])
-    code = (
-        "import kernels; from conftest import split_fma_chains as split; "
-        "build = kernels.build_command; kernels.build_command = lambda *a: split(build(*a)); "
-        "kernels.cpu_kernels()"
-    )
+    swap = "kernels.build_command = conftest.split_fma_chains(kernels.build_command)"
+    code = f"import conftest, kernels; {swap}; kernels.cpu_kernels()"
     subprocess.run(
         [sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=path), capture_output=True
     )

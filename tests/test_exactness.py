@@ -85,8 +85,7 @@ def test_c_linear_rows_stay_invariant_under_a_compiler_that_splits_fma_chains(mo
     build_command's `avoid-fma-max-bits=0`, the AVX-512 builds' rows differ at M=1; the avx2
     build's do not.) The library's cache key hashes its command, so it never stands in for the
     real build."""
-    build = kernels.build_command
-    monkeypatch.setattr(kernels, "build_command", lambda *args: split_fma_chains(build(*args)))
+    monkeypatch.setattr(kernels, "build_command", split_fma_chains(kernels.build_command))
     rebuild_cpu_kernels(monkeypatch)
     if kernels.cpu_kernels() is None:
         pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
