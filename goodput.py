@@ -8,6 +8,7 @@ import json
 import math
 import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -161,7 +162,12 @@ def step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
     pool = [engine.block_size, engine.blocks.num_blocks, engine.max_model_len, max_tokens]
     # (a GPU by its model: one host may hold several kinds)
     gpu = engine.device.type == "cuda" and torch.cuda.get_device_name(engine.device)
-    machine = [platform.node(), gpu or str(engine.device), lib and lib._name]
+    # The C library by its bytes, not its name (which hashes the source): a change to the C that
+    # leaves the code as it was (comments) builds the same bytes, and keeps the profile and so the
+    # decisions. Each new name profiled again, and a new profile can tip choices near break-even:
+    # a comment in session 54 moved `make demo`'s K histogram.
+    library = lib and hashlib.sha1(Path(lib._name).read_bytes()).hexdigest()
+    machine = [platform.node(), gpu or str(engine.device), library]
     machine.append(torch.get_num_threads())
     setting = [engine.config, str(engine.dtype), str(engine.kv_dtype), pool, machine]
     key = hashlib.sha1(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:12]

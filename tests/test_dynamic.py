@@ -1,6 +1,8 @@
 # Dynamic speculation: the goodput chooser on synthetic numbers, and greedy equality while
 # speculation switches off and back on mid-generation (the draft model's lagging cache must catch up
 # correctly).
+from types import SimpleNamespace
+
 import pytest
 import tiny
 from test_engine import GREEDY, prompts
@@ -285,6 +287,21 @@ def test_profile_keeps_each_sizes_best_pass_and_frees_its_blocks(models, monkeyp
 
         monkeypatch.setattr(goodput, "time_forward", time_size_1)
         assert profile_step_costs(llm, 128)[2] == steady
+
+
+def test_step_costs_are_keyed_by_the_c_library_s_bytes(models, monkeypatch, tmp_path):
+    """A build of C whose code did not change (a comment did) has a new name, the same bytes: it
+    keeps its profile, and so decides K as before. Other bytes profile again."""
+    profiled, library = [], tmp_path / "cpu_kernels.so"
+    monkeypatch.setattr(goodput, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(goodput, "cpu_kernels", lambda: SimpleNamespace(_name=str(library)))
+    profile = lambda engine, max_tokens: profiled.append(library) or ({1: 0.5}, 0.0, True)
+    monkeypatch.setattr(goodput, "profile_step_costs", profile)
+    for name, content in (("a", b"built"), ("b", b"built"), ("c", b"built other")):
+        library = tmp_path / f"cpu_kernels-avx2-{name}.so"
+        library.write_bytes(content)
+        LLM(models[0], dtype="float32", draft="ngram", num_spec_tokens="auto")
+    assert [path.name[-4:] for path in profiled] == ["a.so", "c.so"]
 
 
 def test_step_costs_are_profiled_once_per_machine_and_setting(models, monkeypatch, tmp_path):
