@@ -479,8 +479,8 @@ def bench_kernels(argv=None):
     llm.blocks.free(probe)
     # Each tile shape and dtype is its own loop: the widest tiles (most FMAs) are what decode,
     # verify and prefill spend their time in. (On AVX-512 the widest listed are prefill's tiles of
-    # two panels at 7-16 rows, compiled but never called: cpu_kernels.c, ROWS. The two-panel tile
-    # that runs, 6 rows, is a loop of 24 FMAs.)
+    # two panels at 9-16 rows, compiled but never called: cpu_kernels.c, ROWS. The two-panel tile
+    # that runs, 8 rows, is a loop of 32 FMAs.)
     loops = sorted(set(loop_instructions(kernels.cpu_kernels()._name)), key=lambda c: -c[1])
     per_fma = sorted(i / f for i, f in loops)
     print(

@@ -107,8 +107,9 @@ def cpu_flags() -> set[str]:
 def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
     """--dtype auto: the activations' dtype. A GPU: the checkpoint's 16-bit dtype, else bf16.
 
-    A CPU with the C kernels: float32 activations, residual stream and KV cache, with every
-    linear's weights packed in 16 bits (auto_weight_dtype), whatever the ISA. The FMA path widens x
+    A CPU with the C kernels: float32 activations and residual stream, with every linear's weights
+    packed in 16 bits (auto_weight_dtype), whatever the ISA, and the KV cache in fp16 where the CPU
+    has F16C (kv_cache_dtype). The FMA path widens x
     to fp32 anyway and reads the same 16-bit weights, so this costs little speed; AMX splits x and
     the weights into bf16 halves (3 tile products instead of 1). Greedy output stays as close to
     the fp32 model as llama.cpp's F16: bf16 activations or bf16 weights left it within a few tokens
