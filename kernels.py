@@ -109,12 +109,12 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device) -> torch.dtype:
 
     A CPU with the C kernels: float32 activations and residual stream, with every linear's weights
     packed in 16 bits (auto_weight_dtype), whatever the ISA, and the KV cache in fp16 where the CPU
-    has F16C (kv_cache_dtype). The FMA path widens x
-    to fp32 anyway and reads the same 16-bit weights, so this costs little speed; AMX splits x and
-    the weights into bf16 halves (3 tile products instead of 1). Greedy output stays as close to
-    the fp32 model as llama.cpp's F16: bf16 activations or bf16 weights left it within a few tokens
-    (agreement with transformers fp32 on 24 MT-bench questions, 128 tokens, on an AMX Xeon: bf16
-    0.37, fp32 activations over bf16 weights 0.80, this 0.97; BENCHMARKS.md, session 21).
+    has F16C (kv_cache_dtype). The FMA path widens x to fp32 anyway and reads the same 16-bit
+    weights, so this costs little speed; AMX splits x and the weights into bf16 halves (3 tile
+    products instead of 1). Greedy output stays as close to the fp32 model as llama.cpp's F16: bf16
+    activations or bf16 weights left it within a few tokens (agreement with transformers fp32 on
+    24 MT-bench questions, 128 tokens, on an AMX Xeon: bf16 0.37, fp32 activations over bf16
+    weights 0.80, this 0.97; BENCHMARKS.md, session 21).
     Without the C kernels: bf16 where torch has bf16 instructions, else fp32 (on an AVX2 CPU
     torch's bf16 matmul is ~5x slower than fp32)."""
     if torch.device(device).type != "cpu":
