@@ -94,10 +94,12 @@ def amx_permitted() -> bool:
 def cpu_info(field: str) -> str:
     """What /proc/cpuinfo's first line of `field` ("flags", "model name") says: '' off Linux, or
     where there is no such line (no flags: the portable build)."""
-    # (read whole and closed: an open file left to the garbage collector warns)
-    cpuinfo = Path("/proc/cpuinfo")
-    rows = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return next((row.partition(":")[2].strip() for row in rows if row.startswith(field)), "")
+    if not os.path.exists("/proc/cpuinfo"):
+        return ""
+    # Read up to the first such line, not whole: a many-core machine lists every core. Closed
+    # after: an open file left to the garbage collector warns.
+    with open("/proc/cpuinfo") as rows:
+        return next((row.partition(":")[2].strip() for row in rows if row.startswith(field)), "")
 
 
 def cpu_flags() -> set[str]:
