@@ -188,15 +188,19 @@ static inline vf exp_vf(vf x) {
 // prefetches only took load slots (a 700-token prefill 0.955-0.984x the time on a Zen 5, on both
 // AVX-512 builds; session 49). AVX2's copy (one panel) is read by the instance that fp32 weights'
 // decode tiles need prefetching in; dropped there, the prefetches measured within the noise.
-// AHEAD is 32 pairs on AVX2 and 64 on AVX-512, whose tiles take a pair of k in half the
-// instructions (one vector a panel row, not two), so the same lead in time is twice the pairs.
-// On a Zen 5 (avx512bf16, fp16 weights under dtype auto: 2 KB of a panel ahead, now 4 KB), 60
-// linears from DRAM at M=9 and 16 took 0.88-0.89x the time, M=5 0.95x, M=1 0.96x; whole forwards
-// T=1 0.975x, T=5 0.965x, T=9 0.93x, T=16 0.92x, a 700-token prefill 0.99x; bf16 and fp32
-// weights within the noise (session 51). 96 and 128 pairs measured no better than 64. On a Zen 3
-// (avx2) 64 pairs took M=1 and T=1 1.04x the time (session 38), and 64 or 128 measured within the
-// noise on a Zen 4 (session 24, avx512bf16, when the tiles were slower): AVX2 keeps 32.
-#define AHEAD (LANES == 16 ? 64 : 32)
+// AHEAD, set by kernels.build_command (-DAHEAD), is 64 pairs (4 KB of fp16 weights), but 32 on
+// AMD's AVX2-only cores (a Zen 3 measured) and in the generic build (not measured). On a Zen 5
+// (avx512bf16, fp16 weights under dtype auto: 2 KB of a panel ahead, then 4 KB), 60 linears from
+// DRAM at M=9 and 16 took 0.88-0.89x the time, M=5 0.95x, M=1 0.96x; whole forwards T=1 0.975x, T=5
+// 0.965x, T=9 0.93x, T=16 0.92x, a 700-token prefill 0.99x; bf16 and fp32 weights within the noise
+// (session 51). 96 and 128 pairs measured no better than 64. On a Zen 3 (avx2) 64 pairs took M=1
+// and T=1 1.04x the time and 16 pairs M=5 1.05x (session 38), and 64 or 128 measured within the
+// noise on a Zen 4 (session 24, avx512bf16, when the tiles were slower). Intel's cores want the
+// longer lead on AVX2 too: on an Emerald Rapids Xeon under NANOSPEC_ISA=avx2 (Golden Cove cores,
+// those of Intel's client CPUs since Alder Lake), 64 pairs made whole forwards T=1 0.89-0.94x the
+// time at 100-2,000 tokens, T=5 0.93-0.94x, T=9 within the noise (96 and 128 alike); its avx512bf16
+// build read 0.97-1.03x with 96 and 128 (session 56). A decode row takes about 3.6 ns a pair there,
+// so 32 pairs ahead is some 115 ns: no more than a read from DRAM takes.
 // A verify step of 7-18 rows in 2-3 row blocks (ROW_BLOCKS; on AVX-512 only 17-24 rows take more
 // than one) walks each panel in chunks of CHUNK pairs of k (4 KB of fp16 weights), every row block
 // through a chunk before the next chunk, the blocks' accumulators kept in `sums` between chunks.
