@@ -169,8 +169,9 @@ def build_command(isa: str, source: Path) -> list[str]:
     # way and every other tile with FMAs, so a decode row and the same row in a verify step
     # differed in their last bits (session 30). Row invariance needs every chain fused.
     compiler += ["--param=max-unswitch-insns=1000", "--param=avoid-fma-max-bits=0"]
-    # How far the linears prefetch their weights, in pairs of k (cpu_kernels.c, AHEAD): AMD's AVX2
-    # cores measured fastest 32 pairs ahead, Intel's 64, as every AVX-512 core did (session 56).
+    # How far the linears prefetch their weights, in pairs of k (cpu_kernels.c, AHEAD): on AVX2 a
+    # Zen 3 measured fastest 32 pairs ahead and Intel's Golden Cove cores 64, as a Zen 5 did on
+    # AVX-512 (sessions 38, 51, 56). (The generic build, not measured, keeps 32.)
     amd_avx2 = isa == "avx2" and cpu_info("vendor_id") == "AuthenticAMD"
     ahead = 32 if amd_avx2 or isa == "generic" else 64
     return [*compiler, "-fPIC", "-Wno-psabi", f"-DAHEAD={ahead}", *flags, str(source)]
