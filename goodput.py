@@ -167,8 +167,7 @@ def step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float]:
     # decisions. Each new name profiled again, and a new profile can tip choices near break-even:
     # a comment in session 54 moved `make demo`'s K histogram.
     library = lib and hashlib.sha1(Path(lib._name).read_bytes()).hexdigest()
-    machine = [platform.node(), gpu or str(engine.device), library]
-    machine.append(torch.get_num_threads())
+    machine = [platform.node(), gpu or str(engine.device), library, torch.get_num_threads()]
     setting = [engine.config, str(engine.dtype), str(engine.kv_dtype), pool, machine]
     key = hashlib.sha1(json.dumps(setting, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir() / f"step-costs-v2-{key}.json"  # v2: every size to 9
