@@ -102,13 +102,10 @@ class GoodputChooser:
         batch's tokens and cached keys)."""
         keys = sum(len(tokens) * (start + 1) for _, tokens, start in batch)
         self.observe_verify(sum(len(tokens) for _, tokens, _ in batch), keys, verify_seconds)
-        if speculating:
-            k = max(it.max_depth for it in speculating)
-            self.observe_draft(len(speculating), draft_seconds / k)
-
-    def observe_draft(self, drafting: int, seconds: float):
-        old = self.draft_time.get(drafting, seconds)
-        self.draft_time[drafting] = old + self.ema * (seconds - old)
+        if speculating:  # the EMA of a draft step's seconds at this many sequences drafting
+            seconds = draft_seconds / max(it.max_depth for it in speculating)
+            old = self.draft_time.get(len(speculating), seconds)
+            self.draft_time[len(speculating)] = old + self.ema * (seconds - old)
 
 
 def acceptance_estimate(seq: Sequence, k: int) -> list[float]:
