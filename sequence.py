@@ -133,13 +133,13 @@ class Sequence:
         self.num_accepted += num_accepted
         self.drafted_per_position.update(range(depth))  # per depth
         self.accepted_per_position.update(range(num_accepted))
-        for counts in (self.recent_reached, self.recent_accepted):
+        # Each record decays a step, then counts this step's positions: those reached (drafted
+        # after every earlier draft was accepted) and those accepted.
+        reached = min(num_accepted + 1, depth)
+        for counts, n in ((self.recent_reached, reached), (self.recent_accepted, num_accepted)):
             for key in counts:
                 counts[key] *= HISTORY_DECAY
-        self.recent_reached.update(
-            (self.strong_match, i) for i in range(min(num_accepted + 1, depth))
-        )
-        self.recent_accepted.update((self.strong_match, i) for i in range(num_accepted))
+            counts.update((self.strong_match, i) for i in range(n))
 
     def check_stop(self, eos_ids, tokenizer, max_model_len: int, from_draft=False) -> bool:
         """Set finish_reason if the last token ends the request: EOS, a stop token, the grammar's
