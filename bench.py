@@ -77,12 +77,13 @@ def median_run(runs: list[dict]) -> dict:
     }
 
 
-def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_lookup=None):
-    """transformers generate on the same prompts, batch_size at a time as padded batches (prompt
-    lookup only supports batch 1). Counts real tokens: up to and including each row's first EOS."""
+def run_hf(model, tokenizer, prompts, batch_size, args, prompt_lookup=None) -> float:
+    """tok/s of transformers generate on the same prompts, batch_size at a time as padded batches
+    (prompt lookup only supports batch 1), up to --max-tokens; counts real tokens: up to and
+    including each row's first EOS. Repeated --repeat times (the median)."""
     tokenizer.padding_side = "left"
     kwargs = dict(
-        max_new_tokens=max_tokens,
+        max_new_tokens=args.max_tokens,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
         # None: generate's default, no prompt lookup
@@ -92,7 +93,7 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
     warm = tokenizer(prompts[:1], **encoding).to(model.device)
     model.generate(**warm, **{**kwargs, "max_new_tokens": 4})
     runs = []
-    for _ in range(repeat):
+    for _ in range(args.repeat):
         num_tokens, start = 0, time.perf_counter()
         for i in range(0, len(prompts), batch_size):
             batch = tokenizer(prompts[i : i + batch_size], **encoding).to(model.device)
@@ -103,7 +104,7 @@ def run_hf(model, tokenizer, prompts, batch_size, max_tokens, repeat, prompt_loo
                 int(row.nonzero()[0]) + 1 if row.any() else len(row) for row in is_eos
             )
         runs.append(num_tokens / (time.perf_counter() - start))
-    return {"tok_s": float(np.median(runs)), "tok_s_runs": runs}
+    return float(np.median(runs))
 
 
 def run_llama_cpp(gguf: str, llm: LLM, prompts, args) -> float:
@@ -292,9 +293,7 @@ def main(argv=None):
                     draft == "none" or draft == "ngram" and not nodes and b == 1 and k != "auto"
                 ):
                     lookup = k if draft == "ngram" else None
-                    row["base_tok_s"] = run_hf(
-                        *hf, prompts, b, args.max_tokens, args.repeat, prompt_lookup=lookup
-                    )["tok_s"]
+                    row["base_tok_s"] = run_hf(*hf, prompts, b, args, lookup)
                 results.append(row)
     plain = {r["batch"]: r for r in results if r["method"] == "none"}
     plain_ids = {b: r["token_ids"] for b, r in plain.items()}
