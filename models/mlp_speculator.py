@@ -38,7 +38,7 @@ class MLPSpeculator(nn.Module):
         self.n_predict = n = config["n_predict"]
         self.inner_dim = inner = config.get("inner_dim") or self.emb_dim
         self.scale_input = config.get("scale_input", False)
-        self.tie_weights = config.get("tie_weights", False)
+        tied = config.get("tie_weights", False)
         self.emb = nn.ModuleList(nn.Embedding(self.vocab_size, inner) for _ in range(n))
         self.proj = nn.ModuleList(
             nn.Linear(inner if i else self.emb_dim, inner, False) for i in range(n)
@@ -55,9 +55,7 @@ class MLPSpeculator(nn.Module):
         self.register_buffer("vocab_ids", None, persistent=False)
         # With tie_weights, fms keeps one emb, head and ln for all heads and one proj for heads >=
         # 1.
-        self.tied_weights = (
-            {name: tied_name(name) for name in self.state_dict()} if self.tie_weights else {}
-        )
+        self.tied_weights = {name: tied_name(name) for name in self.state_dict()} if tied else {}
 
     @staticmethod
     def rename(name: str) -> str:  # the checkpoint's names: "speculator.emb.0.weight"
