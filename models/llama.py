@@ -100,12 +100,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: dict, **attn_flags):
         super().__init__()
+        hidden = config["hidden_size"]
         self.self_attn = Attention(config, **attn_flags)
-        self.mlp = MLP(
-            config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False)
-        )
-        self.input_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
-        self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.mlp = MLP(hidden, config["intermediate_size"], config.get("mlp_bias", False))
+        self.input_layernorm = RMSNorm(hidden, config["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(hidden, config["rms_norm_eps"])
 
     def forward(self, x, residual, cos_sin, keep=None):
         """keep (the last layer's): the rows that go on past attention, LlamaForCausalLM.forward."""
