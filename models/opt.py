@@ -83,9 +83,8 @@ class OPTForCausalLM(nn.Module):
     def forward(self, input_ids, positions, keep=None):
         """As LlamaForCausalLM.forward: hidden states [T, H], or of the rows `keep`."""
         dec = self.model.decoder
-        x = dec.project_in(dec.embed_tokens(input_ids)) + dec.embed_positions(
-            positions + POSITION_OFFSET
-        )
+        x = dec.project_in(dec.embed_tokens(input_ids))
+        x = x + dec.embed_positions(positions + POSITION_OFFSET)
         *layers, last = dec.layers  # (unpacked, not sliced: as in models/llama.py)
         for layer in layers:
             x = layer(x)
