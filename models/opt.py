@@ -57,9 +57,8 @@ class OPTForCausalLM(nn.Module):
         dec.project_in = nn.Linear(proj_dim, hidden, bias=False) if projects else nn.Identity()
         dec.project_out = nn.Linear(hidden, proj_dim, bias=False) if projects else nn.Identity()
         # OPT-350m style (post-norm) checkpoints have no final norm.
-        has_norm = config.get("do_layer_norm_before", True) and not config.get(
-            "_remove_final_layer_norm"
-        )
+        pre_norm = config.get("do_layer_norm_before", True)
+        has_norm = pre_norm and not config.get("_remove_final_layer_norm")
         affine = config.get("layer_norm_elementwise_affine", True)
         dec.final_layer_norm = (
             nn.LayerNorm(hidden, elementwise_affine=affine) if has_norm else nn.Identity()
