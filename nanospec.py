@@ -488,12 +488,11 @@ class LLM(LLMEngine):
             for seq in seqs:
                 self.abort(seq)
             raise
-        updates = self.stream(seqs)
         if stream:
-            return updates
+            return self.stream(seqs)
         with Progress(transient=True, disable=not use_progress) as progress:
             task = progress.add_task("generating", total=len(seqs))
-            for update in updates:
+            for update in self.stream(seqs):
                 progress.advance(task, update.finished)
         return [RequestOutput.from_sequence(seq) for seq in seqs]
 
