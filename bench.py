@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import kernels
 from nanospec import LLM, SamplingParams, read_prompts_file, spec_metrics, turn_prompt_ids
 
 # The built-in workloads, in examples/. 'grounded': 16 functions of Python's standard library (3.11)
@@ -176,8 +177,6 @@ def two_turns(args, model, settings, params) -> list:
 
 
 def machine_info(dtype, device):
-    import kernels
-
     return {
         "cpu": kernels.cpu_info("model name") or platform.processor(),
         "isa": kernels.cpu_isa(),
@@ -395,7 +394,6 @@ def bench_kernels(argv=None):
     build's dot product over the same bf16 weights), whole forwards of T=1, 5, 9 at contexts 100
     to 4,000, and the instructions per FMA of the linear's loops; what is compared takes turns
     (taking_turns)."""
-    import kernels
     from goodput import time_forward
     from sequence import Sequence
 
