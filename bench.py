@@ -433,7 +433,7 @@ def bench_kernels(argv=None):
     bf16_weights = [m.weight for m in bf16_layers]
     bf16_dot = [kernels.Linear(w, None, kernels.pack_weight(w)) for w in bf16_weights if dot]
     # NANOSPEC_ISA shrinks nanospec's build, and ATen's and oneDNN's take their own variables, but
-    # MKL, which runs torch's fp32 GEMM, reads only MKL_ENABLE_INSTRUCTIONS: without it an avx2 run
+    # MKL, which runs torch's fp32 GEMM, follows MKL_ENABLE_INSTRUCTIONS alone: without it an avx2 run
     # is compared with AVX-512 code (session 56 found a table's 0.66x was that).
     if os.environ.get("NANOSPEC_ISA") and not os.environ.get("MKL_ENABLE_INSTRUCTIONS"):
         print("(torch's fp32 GEMM runs MKL's widest code: MKL_ENABLE_INSTRUCTIONS=AVX2 holds it)")
