@@ -433,8 +433,8 @@ def bench_kernels(argv=None):
     bf16_weights = [m.weight for m in bf16_layers]
     bf16_dot = [kernels.Linear(w, None, kernels.pack_weight(w)) for w in bf16_weights if dot]
     # NANOSPEC_ISA shrinks nanospec's build, and ATen's and oneDNN's take their own variables, but
-    # MKL, which runs torch's fp32 GEMM, follows MKL_ENABLE_INSTRUCTIONS alone: without it an avx2 run
-    # is compared with AVX-512 code (session 56 found a table's 0.66x was that).
+    # MKL, which runs torch's fp32 GEMM, follows MKL_ENABLE_INSTRUCTIONS alone: without it an avx2
+    # run is compared with AVX-512 code (session 56 found a table's 0.66x was that).
     if os.environ.get("NANOSPEC_ISA") and not os.environ.get("MKL_ENABLE_INSTRUCTIONS"):
         print("(torch's fp32 GEMM runs MKL's widest code: MKL_ENABLE_INSTRUCTIONS=AVX2 holds it)")
     for rows in (64, 256):
