@@ -534,8 +534,13 @@ def test_every_isa_build_compiles_wherever_there_is_a_compiler(isa, tmp_path):
 
 @pytest.mark.parametrize(
     "vendor, isa, ahead",
-    [("AuthenticAMD", "avx2", 32), ("GenuineIntel", "avx2", 64), ("AuthenticAMD", "avx512", 64)]
-    + [("GenuineIntel", "amx", 64), ("", "generic", 32)],
+    [
+        ("AuthenticAMD", "avx2", 32),
+        ("GenuineIntel", "avx2", 64),
+        ("AuthenticAMD", "avx512", 64),
+        ("GenuineIntel", "amx", 64),
+        ("", "generic", 32),
+    ],
 )
 def test_the_weights_prefetch_distance_follows_the_cpu(monkeypatch, vendor, isa, ahead):
     """How far ahead the linears prefetch (cpu_kernels.c's AHEAD, in pairs of k) is a flag of the
