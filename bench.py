@@ -259,7 +259,11 @@ def main(argv=None):
     workload = read_workload(args.workload, base.tokenizer if args.chat else None)
     hf = None
     if args.baseline == "hf":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        try:  # (Hugging Face's `kernels` package installed: transformers imports our kernels.py)
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as error:
+            message = f"--baseline hf: transformers does not import: {error} (README)"
+            raise SystemExit(message) from error
 
         hf_model = AutoModelForCausalLM.from_pretrained(base.model_path, dtype=base.dtype)
         hf = (hf_model.to(args.device).eval(), AutoTokenizer.from_pretrained(base.model_path))

@@ -4,10 +4,28 @@
 # triton.)
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    """Hugging Face's `kernels` package, where installed, shares its import name with this
+    project's kernels.py, and transformers imports names from it at start-up: every test that
+    compares with transformers would then fail with an ImportError naming neither. Said once, here.
+    (transformers 5.25 requires that package: pyproject.toml holds it below 5.25.)"""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    raise pytest.UsageError(
+        "Hugging Face's `kernels` package is installed, and transformers would import this "
+        "project's kernels.py in its place: pip uninstall kernels, and keep transformers<5.25"
+    )
 
 
 def pytest_sessionstart(session):

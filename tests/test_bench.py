@@ -123,6 +123,16 @@ def test_an_unknown_baseline_is_an_error():
         bench.main(["--baseline", "llama"])
 
 
+def test_a_baseline_that_does_not_import_is_named(tmp_path, monkeypatch):
+    """--baseline hf where transformers fails to import (as 5.25 does beside Hugging Face's
+    `kernels` package, whose import name is ours): a clear stop, not a traceback from inside it."""
+    tiny.write_checkpoint(tmp_path / "model", tiny.llama_like())
+    tiny.write_char_tokenizer(tmp_path / "model")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # (an import of it raises ImportError)
+    with pytest.raises(SystemExit, match="--baseline hf: transformers does not import"):
+        bench.main(["--model", str(tmp_path / "model"), "--baseline", "hf", "--no-chat"])
+
+
 def test_two_turns_finds_turn_one_cached(tmp_path, capsys):
     """--two-turns: turn 2's prompt extends turn 1's prompt and answer, the engine with prefix
     caching finds them cached (whole blocks), the one without none, and both answer alike."""
