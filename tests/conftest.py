@@ -15,7 +15,7 @@ def pytest_configure(config):
     """Hugging Face's `kernels` package, where installed, shares its import name with this
     project's kernels.py, and transformers imports names from it at start-up: every test that
     compares with transformers would then fail with an ImportError naming neither. Said once, here.
-    (transformers 5.25 requires that package: pyproject.toml holds it below 5.25.)"""
+    (transformers 5.25 requires that package: pyproject.toml holds transformers below 5.25.)"""
     import importlib.metadata
 
     try:
