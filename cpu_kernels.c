@@ -486,13 +486,13 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
     int interleaved = !amx && wt == 2 && !PREFILL(M), elem = x_bf16 ? 2 : 4;
     int64_t copied_rows = (amx && !x_bf16) || (M > 1 && interleaved) || gated ? M : 0;
     const void *rows = copied_rows ? scratch : x;  // (x's copy: the start of scratch)
-    // Each thread owns an equal run of panels and walks every row through it: its weights stay in
-    // its cache while the rows pass, and which thread computes an output never changes its value.
-    // The interleaving before the tiles shares the threads too (one parallel region for both: a
-    // T=9 forward 2% faster on avx2, session 19). Interleaved rows are split between the threads
-    // by k, LANES of k at a time (i: a vector of k, j: a row), so that each thread writes its own
-    // cache lines: split by rows, the two threads wrote the rows of one block, side by side in
-    // the same lines, and each store waited for the line to come back from the other core (at
+    // Each thread takes runs of panels (below) and walks every row through them: its weights stay
+    // in its cache while the rows pass, and which thread computes an output never changes its
+    // value. The interleaving before the tiles shares the threads too (one parallel region for
+    // both: a T=9 forward 2% faster on avx2, session 19). Interleaved rows are split between the
+    // threads by k, LANES of k at a time (i: a vector of k, j: a row), so that each thread writes
+    // its own cache lines: split by rows, the two threads wrote the rows of one block, side by side
+    // in the same lines, and each store waited for the line to come back from the other core (at
     // M=9 and K=576 the copy took 8.8 us a call instead of 1.9, and a T=9 forward of the default
     // model 1.04-1.10x longer). Row-major copies (a prefill's gated rows, AMX's halves) stay split
     // by rows (i: a row, j: a vector of k): each thread's rows are then one run of memory, and
@@ -522,22 +522,33 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
                     if (amx && !x_bf16) half[M * K] = to_bf16(value - to_f32(half[0]));  // x_lo
                 }
             }
-        int t = omp_get_thread_num(), n = omp_get_num_threads();
-        // Prefill's tiles take WIDE panels (linear_panels; AMX's take two at every M): the threads'
-        // shares are whole tiles. (Decode's stay single panels: 36 panels over 16 threads in pairs
-        // would be 4 panels for some threads where 3 is the most now.)
-        int wide = PREFILL(M) ? WIDE : 1;
-        int first = num_panels * t / n / wide * wide, last = num_panels * (t + 1) / n / wide * wide;
         // (past x's copy; see linear_panels, amx_panels)
-        float *own = scratch ? scratch + (copied_rows + t * 2 * PANEL) * K : 0;
+        float *own = scratch ? scratch + (copied_rows + omp_get_thread_num() * 2 * PANEL) * K : 0;
+        // The panels go out in pairs (the panels come in pairs: pack_weight; AMX's tiles and
+        // AVX-512 prefill's take two), "guided": each thread that comes for work takes half of
+        // what is left, then a quarter, and so on down to one pair. Two threads at the same pace
+        // thus read one run of panels each, as equal shares gave them: a decode step's weights
+        // stream as before. Where one core runs slower (another tenant's work on a shared host, or
+        // a slower core of a hybrid CPU), the faster thread takes more of the end, where equal
+        // shares made every call wait for the slower one. On the Zen 3 (avx2, 2 threads, the same
+        // bits), in a slow phase of its host, taking turns with equal shares: T=9 forwards
+        // 0.79x the time (every one of 21 rounds faster), T=5 at 700 tokens 0.87x, T=1 0.97x; in
+        // a fast phase 0.98-1.03x, the noise. Linears alone: 576-3,072 columns at 5-9 rows
+        // 0.79-0.86x, at 1 row and the vocabulary projection within 2%. Handed out two, four, 8 or
+        // 16 panels at a time (dynamic), the runs broke up: a decode row took up to 1.3x the time
+        // (BENCHMARKS.md, session 57).
+#pragma omp for schedule(guided) nowait
+        for (int first = 0; first < num_panels; first += 2) {
 #ifdef __AMX_BF16__
-        if (amx)
-            amx_panels(rows, w, bias, y, M, N, K2, first, last, !x_bf16, y_bf16, (vu *)own);
-        else
+            if (amx)
+                amx_panels(rows, w, bias, y, M, N, K2, first, first + 2, !x_bf16, y_bf16,
+                           (vu *)own);
+            else
 #endif
-#define PANELS(WT) linear_panels(rows, w, bias, y, M, N, K2, first, last, own, WT, y_bf16)
-            // an instance per weight type (fp16 only on a build with F16C: kernels.linear_args)
-            x_bf16 ? PANELS(3) : wt == 1 ? PANELS(1) : wt == 2 ? PANELS(2) : PANELS(0);
+#define PANELS(WT) linear_panels(rows, w, bias, y, M, N, K2, first, first + 2, own, WT, y_bf16)
+                // an instance per weight type (fp16 only on a build with F16C: kernels.linear_args)
+                x_bf16 ? PANELS(3) : wt == 1 ? PANELS(1) : wt == 2 ? PANELS(2) : PANELS(0);
+        }
     }
 }
 
