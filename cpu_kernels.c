@@ -467,7 +467,7 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
             int gated) {
     const void *w = (const void *)layer[0], *bias = (const void *)layer[1];
     int N = layer[2], K = layer[3], x_bf16 = layer[4], amx = layer[5], wt = layer[6];
-    int y_bf16 = layer[7], vectors = CEIL(K, LANES);
+    int y_bf16 = layer[7], vectors = CEIL(K, LANES), step = amx ? 2 : PREFILL(M) ? WIDE : 1;
     // (in whole tiles of WIDE panels, as pack_weight pads them to pairs: on AVX-512 a panel past N
     // is zeros, computed, never stored)
     int64_t K2 = K / 2, num_panels = CEIL(N, WIDE * PANEL) * WIDE;
@@ -524,28 +524,29 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
             }
         // (past x's copy; see linear_panels, amx_panels)
         float *own = scratch ? scratch + (copied_rows + omp_get_thread_num() * 2 * PANEL) * K : 0;
-        // The panels go out in pairs (the panels come in pairs: pack_weight; AMX's tiles and
-        // AVX-512 prefill's take two), "guided": each thread that comes for work takes half of
-        // what is left, then a quarter, and so on down to one pair. Two threads at the same pace
-        // thus read one run of panels each, as equal shares gave them: a decode step's weights
-        // stream as before. Where one core runs slower (another tenant's work on a shared host, or
-        // a slower core of a hybrid CPU), the faster thread takes more of the end, where equal
-        // shares made every call wait for the slower one. On the Zen 3 (avx2, 2 threads, the same
-        // bits), in a slow phase of its host, taking turns with equal shares: T=9 forwards
-        // 0.79x the time (every one of 21 rounds faster), T=5 at 700 tokens 0.87x, T=1 0.97x; in
-        // a fast phase 0.98-1.03x, the noise. Linears alone: 576-3,072 columns at 5-9 rows
-        // 0.79-0.86x, at 1 row and the vocabulary projection within 2%. Handed out two, four, 8 or
-        // 16 panels at a time (dynamic), the runs broke up: a decode row took up to 1.3x the time
-        // (BENCHMARKS.md, session 57).
+        // The panels go out `step` at a time (the tile's panels: AMX's take two, AVX-512 prefill's
+        // WIDE; others one, so that 36 panels over 16 threads are at most 3 a thread, not 4 as in
+        // pairs), "guided": each thread that comes for work takes half of what is left, then a
+        // quarter, and so on down to one step. Two threads at the same pace thus read one run of
+        // panels each, as equal shares gave them: a decode step's weights stream as before. Where
+        // one core runs slower (another tenant's work on a shared host, or a slower core of a
+        // hybrid CPU), the faster thread takes more of the end, where equal shares made every call
+        // wait for the slower one. On the Zen 3 (avx2, 2 threads, the same bits), taking turns with
+        // equal shares: in a slow phase of its host T=9 forwards 0.79x the time (every one of 21
+        // rounds faster), T=5 at 700 tokens 0.87x, T=1 0.97x; in other phases T=5 and T=9
+        // 0.93-1.00x, T=1 0.97-1.03x (one panel at a time or two alike). Linears alone: 576-3,072
+        // columns at 5-9 rows 0.79-0.96x, at 1 row and the vocabulary projection within 2-4%.
+        // Handed out two, four, 8 or 16 panels at a time (dynamic), the runs broke up: a decode row
+        // took up to 1.3x the time (BENCHMARKS.md, session 57).
 #pragma omp for schedule(guided) nowait
-        for (int first = 0; first < num_panels; first += 2) {
+        for (int first = 0; first < num_panels; first += step) {
 #ifdef __AMX_BF16__
             if (amx)
                 amx_panels(rows, w, bias, y, M, N, K2, first, first + 2, !x_bf16, y_bf16,
                            (vu *)own);
             else
 #endif
-#define PANELS(WT) linear_panels(rows, w, bias, y, M, N, K2, first, first + 2, own, WT, y_bf16)
+#define PANELS(WT) linear_panels(rows, w, bias, y, M, N, K2, first, first + step, own, WT, y_bf16)
                 // an instance per weight type (fp16 only on a build with F16C: kernels.linear_args)
                 x_bf16 ? PANELS(3) : wt == 1 ? PANELS(1) : wt == 2 ? PANELS(2) : PANELS(0);
         }
