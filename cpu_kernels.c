@@ -542,7 +542,7 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
         for (int first = 0; first < num_panels; first += step) {
 #ifdef __AMX_BF16__
             if (amx)
-                amx_panels(rows, w, bias, y, M, N, K2, first, first + 2, !x_bf16, y_bf16,
+                amx_panels(rows, w, bias, y, M, N, K2, first, first + step, !x_bf16, y_bf16,
                            (vu *)own);
             else
 #endif
