@@ -126,13 +126,24 @@ static inline vf exp_vf(vf x) {
 // one panel there. Up to 18 rows (AVX-512: 24), the row blocks (ROW_BLOCKS) re-read (from L1, a
 // chunk of K at a time: CHUNK below) and re-widen a thread's weights; beyond (prefill), each panel
 // of 16-bit weights is widened once into an fp32 buffer that every row block reads (measured:
-// direct wins below 19 rows, widened above; BENCHMARKS.md, session 12). The whole panel, K x 16
+// direct wins below 19 rows, widened above; BENCHMARKS.md, session 12; but on AMD's AVX2 cores
+// fp16 is read directly at every M: PREFILL_READS_FP16 below). The whole panel, K x 16
 // floats (36-98 KB for the default model: L2; twice that on AVX-512, two panels), not chunks in
 // L1: as fast on avx2 at M=256 (172-179 GFLOP/s in blocks of 128 pairs of k, 175-189 whole;
 // BENCHMARKS.md, session 20). What makes it fast is what the loop does not do: every shape and
 // dtype is a compile-time constant (no flag tests, no spilled row pointers), and x is fp32 before
 // the call, so a broadcast is one load. `bench.py kernels` counts the instructions per FMA of the
 // inner loops.
+// PREFILL_READS_FP16 (set by kernels.build_command: 1 on AMD's AVX2-only cores, Zen 1-3): prefill
+// over fp16 weights skips the widened copy, and each row block's tiles read the packed panel
+// itself, widening as they go with the decode tiles' vcvtph2ps from memory. On a Zen 3 that
+// conversion takes no FMA pipe (session 57), and the packed panel (K * 32 bytes: 18 KB at K=576)
+// stays in L1, where the fp32 copy (36 KB) did not. Whole forwards of the default model under
+// dtype auto, taking turns with the copy (the Zen 3, 2 threads, the same bits): 19-64 rows, as
+// verify steps of batches of 3-8 with every row's logits, 0.79-0.90x the time; prompts of 100, 423
+// and 700 tokens 0.94x, 0.99x and 0.98x (BENCHMARKS.md, session 58). On Intel's cores the
+// conversion takes one of the two FMA ports (session 56): a 6-row tile would give 2 of every 14
+// of their slots to it, so their AVX2 build keeps the copy (not measured). Neither changes a bit.
 #define PANEL 16
 #define PV (PANEL / LANES)  // vectors per panel row
 #define WIDE (LANES == 16 ? 2 : 1)
@@ -279,7 +290,7 @@ tile(const void *x, const char *w, const void *bias, void *y, int64_t M, int64_t
             for (int v = 0; v < pv; v++) wk[v] = widen(pair, v, half, wt, pv);
             for (int r = 0; r < R; r++) {
                 int64_t k = 2 * kp + half, at = (m0 + r) * 2 * K2 + k;
-                if (wt == 2) at = k * M + m0 + r;  // x interleaved (see linear)
+                if (wt == 2 && !PREFILL(M)) at = k * M + m0 + r;  // x interleaved (linear)
                 vf xk = splat(((const float *)x)[at]);
                 for (int v = 0; v < pv; v++) acc[r * pv + v] += xk * wk[v];  // FMA
             }
@@ -317,7 +328,9 @@ tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t M, i
 static inline __attribute__((always_inline)) void
 linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M, int N, int64_t K2,
               int first, int last, float *scratch, const int wt, int y_bf16) {
-    int blocked = wt && PREFILL(M);  // prefill over 16-bit weights: tiles of WIDE panels
+    // Prefill over 16-bit weights: tiles of WIDE panels, from the widened copy; but fp16 weights
+    // straight from the packed panel where the build says so (PREFILL_READS_FP16, below)
+    int blocked = wt && PREFILL(M) && !(PREFILL_READS_FP16 && wt == 2);
     int64_t blocks = ROW_BLOCKS(M), chunk = blocks > 1 && !PREFILL(M) ? CHUNK : K2;
     // the row blocks' accumulators between chunks, or on their way to y
     vf sums[3 * MAX_ROWS * PV * WIDE];

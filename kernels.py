@@ -174,7 +174,11 @@ def build_command(isa: str, source: Path) -> list[str]:
     # AVX-512 (sessions 38, 51, 56). (The generic build, not measured, keeps 32.)
     amd_avx2 = isa == "avx2" and cpu_info("vendor_id") == "AuthenticAMD"
     ahead = 32 if amd_avx2 or isa == "generic" else 64
-    return [*compiler, "-fPIC", "-Wno-psabi", f"-DAHEAD={ahead}", *flags, str(source)]
+    # Prefill's tiles read fp16 weights where they are packed, not from a widened fp32 copy, on
+    # AMD's AVX2 cores, whose conversion takes no FMA pipe (cpu_kernels.c, PREFILL_READS_FP16;
+    # session 58). Intel's takes one: its cores keep the copy.
+    defines = [f"-DAHEAD={ahead}", f"-DPREFILL_READS_FP16={int(amd_avx2)}"]
+    return [*compiler, "-fPIC", "-Wno-psabi", *defines, *flags, str(source)]
 
 
 @functools.cache

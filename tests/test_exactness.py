@@ -6,6 +6,7 @@
 # end.
 import ctypes
 import dataclasses
+import functools
 from unittest import mock
 
 import pytest
@@ -52,6 +53,28 @@ def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     weight, bias = (0.05 * torch.randn(n, k)).to(w_dtype), torch.randn(n).to(x_dtype)
     layer = kernels.Linear(weight.to(x_dtype), bias, kernels.pack_weight(weight))
     assert_rows_invariant(lambda x: kernels.c_linear(x, layer), torch.randn(300, k).to(x_dtype))
+
+
+@pytest.mark.parametrize("n,k", [(96, 1536), (40, 64), (24, 100)])
+def test_both_avx2_builds_read_prefill_fp16_weights_to_the_same_bits(monkeypatch, n, k):
+    """AMD's avx2 build reads prefill's fp16 weights where they are packed (PREFILL_READS_FP16),
+    Intel's widens each panel into an fp32 copy first: the same chain either way. Each build keeps
+    its rows invariant, and the two give every row the same bits, on either vendor's CPU."""
+    if ISAS.index("avx2") < ISAS.index(kernels.cpu_isa()):
+        pytest.skip(f"this CPU runs {kernels.cpu_isa()}, not avx2")
+    weight, bias, x = 0.05 * torch.randn(n, k), torch.randn(n), torch.randn(300, k)
+    info, outputs = kernels.cpu_info, []
+    for vendor in ("AuthenticAMD", "GenuineIntel"):
+        monkeypatch.setattr(
+            kernels, "cpu_info", lambda f, v=vendor: v if f == "vendor_id" else info(f)
+        )
+        rebuild_cpu_kernels(monkeypatch, "avx2")
+        if kernels.cpu_kernels() is None:
+            pytest.skip("cpu_kernels.c did not build here (no C compiler?)")
+        layer = kernels.Linear(weight, bias, kernels.pack_weight(weight, torch.float16))
+        assert_rows_invariant(functools.partial(kernels.c_linear, layer=layer), x)
+        outputs.append(kernels.c_linear(x, layer))
+    assert torch.equal(*outputs)
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -533,23 +533,25 @@ def test_every_isa_build_compiles_wherever_there_is_a_compiler(isa, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "vendor, isa, ahead",
+    "vendor, isa, ahead, reads_fp16",
     [
-        ("AuthenticAMD", "avx2", 32),
-        ("GenuineIntel", "avx2", 64),
-        ("AuthenticAMD", "avx512", 64),
-        ("GenuineIntel", "amx", 64),
-        ("", "generic", 32),
+        ("AuthenticAMD", "avx2", 32, 1),
+        ("GenuineIntel", "avx2", 64, 0),
+        ("AuthenticAMD", "avx512", 64, 0),
+        ("GenuineIntel", "amx", 64, 0),
+        ("", "generic", 32, 0),
     ],
 )
-def test_the_weights_prefetch_distance_follows_the_cpu(monkeypatch, vendor, isa, ahead):
+def test_the_weights_prefetch_distance_follows_the_cpu(monkeypatch, vendor, isa, ahead, reads_fp16):
     """How far ahead the linears prefetch (cpu_kernels.c's AHEAD, in pairs of k) is a flag of the
     build command: on AVX2 a Zen 3 measured fastest 32 pairs ahead and Intel's cores 64, a Zen 5
-    64 on AVX-512 (sessions 38, 51, 56). The cache key hashes the command, so each gets a library
-    of its own."""
+    64 on AVX-512 (sessions 38, 51, 56). So is whether prefill reads fp16 weights where they are
+    packed (PREFILL_READS_FP16: AMD's AVX2 cores, whose conversion takes no FMA pipe; session
+    58). The cache key hashes the command, so each gets a library of its own."""
     monkeypatch.setattr(kernels, "cpu_info", lambda field: vendor if field == "vendor_id" else "")
     command = kernels.build_command(isa, Path("cpu_kernels.c"))
-    assert [flag for flag in command if flag.startswith("-DAHEAD")] == [f"-DAHEAD={ahead}"]
+    defines = [flag for flag in command if flag.startswith("-D")]
+    assert defines == [f"-DAHEAD={ahead}", f"-DPREFILL_READS_FP16={reads_fp16}"]
 
 
 def test_isa_override_builds_its_own_library(monkeypatch, tmp_path):
