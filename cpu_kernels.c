@@ -184,8 +184,12 @@ static inline vf exp_vf(vf x) {
 // Prefill: more rows than a verify step has (up to 18; AVX-512 24), in blocks of MAX_ROWS and
 // tiles of WIDE panels, x read in place; decode and verify in blocks of up to MAX_BLOCK (several:
 // chunk by chunk of k, CHUNK below), fp16 weights' x interleaved (linear). The one threshold every
-// choice keys on.
-#define PREFILL(M) ((M) > 3 * MAX_ROWS)
+// choice keys on. Where prefill reads fp16 weights as packed (PREFILL_READS_FP16), it takes 13
+// rows and more: on the Zen 3, whole forwards at 13, 16 and 18 rows took 0.93-0.95x the time
+// (taking turns, context 100, two runs of 9 and 15 rounds; 12 rows, below both thresholds, read
+// 1.00x); from 7 rows, 7 and 9 rows took 1.05x (each block walking the whole panel, x not
+// interleaved) and 12 0.95x (session 58).
+#define PREFILL(M) ((M) > (PREFILL_READS_FP16 ? 2 : 3) * MAX_ROWS)
 #define ROW_BLOCKS(M) CEIL(M, PREFILL(M) ? MAX_ROWS : MAX_BLOCK)  // B; block i from row M i / B
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
