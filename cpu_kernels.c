@@ -184,12 +184,12 @@ static inline vf exp_vf(vf x) {
 // Prefill: more rows than a verify step has (up to 18; AVX-512 24), in blocks of MAX_ROWS and
 // tiles of WIDE panels, x read in place; decode and verify in blocks of up to MAX_BLOCK (several:
 // chunk by chunk of k, CHUNK below), fp16 weights' x interleaved (linear). The one threshold every
-// choice keys on. Where prefill reads fp16 weights as packed (PREFILL_READS_FP16), it takes 13
-// rows and more: on the Zen 3, whole forwards at 13, 16 and 18 rows took 0.93-0.95x the time
-// (taking turns, context 100, two runs of 9 and 15 rounds; 12 rows, below both thresholds, read
-// 1.00x); from 7 rows, 7 and 9 rows took 1.05x (each block walking the whole panel, x not
-// interleaved) and 12 0.95x (session 58).
-#define PREFILL(M) ((M) > (PREFILL_READS_FP16 ? 2 : 3) * MAX_ROWS)
+// choice keys on. Where prefill reads fp16 weights as packed (PREFILL_READS_FP16), it takes 10
+// rows and more (two blocks of 5-6 rows, or more blocks): on the Zen 3, whole forwards at 10-12
+// rows took 0.95-0.96x the time, 13-18 rows 0.93-0.95x (taking turns with the verify step's
+// chunked blocks, context 100, 15 rounds; 9 rows, below both thresholds, read 1.00x). From 7 rows
+// (blocks of 3-5 rows, each walking the whole panel), 7 and 9 rows took 1.05x (session 58).
+#define PREFILL(M) ((M) > (PREFILL_READS_FP16 ? 9 : 3 * MAX_ROWS))
 #define ROW_BLOCKS(M) CEIL(M, PREFILL(M) ? MAX_ROWS : MAX_BLOCK)  // B; block i from row M i / B
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
@@ -217,22 +217,22 @@ static inline vf exp_vf(vf x) {
 // build read 0.97-1.03x with 96 and 128 (session 56). A decode row takes about 3.6 ns a pair there,
 // so 32 pairs ahead is some 115 ns: no more than a read from DRAM takes.
 // A verify step of 7-18 rows in 2-3 row blocks (ROW_BLOCKS; on AVX-512 only 17-24 rows take more
-// than one) walks each panel in chunks of CHUNK pairs of k (4 KB of fp16 weights), every row block
-// through a chunk before the next chunk, the blocks' accumulators kept in `sums` between chunks.
-// The second block's pass then reads the chunk from L1 while the first block's prefetches keep the
-// memory stream going; with each block walking the whole panel, memory sat idle while the later
-// blocks re-read it from cache. A T=9 forward 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6
-// instead of 31.0-33.2 on avx512, on a Sapphire Rapids Xeon (chunks of 8 to 128 pairs no faster
-// there; BENCHMARKS.md, session 22). Storing and reloading an fp32 sum keeps its bits: the chain is
-// the same. The later blocks prefetch a chunk further ahead than the first (AHEAD + CHUNK pairs),
-// so that memory streams through their passes too: the first block's prefetches then find the next
-// chunk on its way (30 matrices of 3072 x 576 at M=9, from DRAM, paired over 20-30 rounds beside an
-// identical control build: 2.2% faster on avx2, 2.1% on avx512bf16; M=13 2.9% and 0.9%;
-// BENCHMARKS.md, session 26). Chunks of 64 pairs, not 16: on a Zen 3 (avx2, native), the default
-// model's linears at 7-13 rows took 0.93-0.94x the time, T=9 forwards 0.93x, 5 rows (no chunks)
-// 1.00x (taking turns with 16 every call, 150 pairs); 32 and 128 pairs of k were slower than 64.
-// Each chunk's restart (the sums stored and reloaded, the loop's ramp) comes a quarter as often
-// (BENCHMARKS.md, session 38).
+// than one; where PREFILL_READS_FP16, 7-9 rows in 2) walks each panel in chunks of CHUNK pairs of k
+// (4 KB of fp16 weights), every row block through a chunk before the next chunk, the blocks'
+// accumulators kept in `sums` between chunks. The second block's pass then reads the chunk from L1
+// while the first block's prefetches keep the memory stream going; with each block walking the
+// whole panel, memory sat idle while the later blocks re-read it from cache. A T=9 forward
+// 29.5-30.9 ms instead of 32.1-33.6 on avx2, 26.7-27.6 instead of 31.0-33.2 on avx512, on a
+// Sapphire Rapids Xeon (chunks of 8 to 128 pairs no faster there; BENCHMARKS.md, session 22).
+// Storing and reloading an fp32 sum keeps its bits: the chain is the same. The later blocks
+// prefetch a chunk further ahead than the first (AHEAD + CHUNK pairs), so that memory streams
+// through their passes too: the first block's prefetches then find the next chunk on its way (30
+// matrices of 3072 x 576 at M=9, from DRAM, paired over 20-30 rounds beside an identical control
+// build: 2.2% faster on avx2, 2.1% on avx512bf16; M=13 2.9% and 0.9%; BENCHMARKS.md, session 26).
+// Chunks of 64 pairs, not 16: on a Zen 3 (avx2, native), the default model's linears at 7-13 rows
+// took 0.93-0.94x the time, T=9 forwards 0.93x, 5 rows (no chunks) 1.00x (taking turns with 16
+// every call, 150 pairs); 32 and 128 pairs of k were slower than 64. Each chunk's restart (the sums
+// stored and reloaded, the loop's ramp) comes a quarter as often (BENCHMARKS.md, session 38).
 #define CHUNK 64
 
 static inline vf splat(float s) { return s - (vf){}; }  // s - 0 is s, even -0: one broadcast
