@@ -542,7 +542,7 @@ def test_every_isa_build_compiles_wherever_there_is_a_compiler(isa, tmp_path):
         ("", "generic", 32, 0),
     ],
 )
-def test_the_weights_prefetch_distance_follows_the_cpu(monkeypatch, vendor, isa, ahead, reads_fp16):
+def test_the_build_flags_follow_the_cpu(monkeypatch, vendor, isa, ahead, reads_fp16):
     """How far ahead the linears prefetch (cpu_kernels.c's AHEAD, in pairs of k) is a flag of the
     build command: on AVX2 a Zen 3 measured fastest 32 pairs ahead and Intel's cores 64, a Zen 5
     64 on AVX-512 (sessions 38, 51, 56). So is whether prefill reads fp16 weights where they are
