@@ -183,13 +183,23 @@ static inline vf exp_vf(vf x) {
 #define CEIL(a, b) (((a) + (b) - 1) / (b))  // a / b rounded up
 // Prefill: more rows than a verify step has (up to 18; AVX-512 24), in blocks of MAX_ROWS and
 // tiles of WIDE panels, x read in place; decode and verify in blocks of up to MAX_BLOCK (several:
-// chunk by chunk of k, CHUNK below), fp16 weights' x interleaved (linear). The one threshold every
-// choice keys on. Where prefill reads fp16 weights as packed (PREFILL_READS_FP16), it takes 10
-// rows and more (two blocks of 5-6 rows, or more blocks): on the Zen 3, whole forwards at 10-12
-// rows took 0.95-0.96x the time, 13-18 rows 0.93-0.95x (taking turns with the verify step's
-// chunked blocks, context 100, 15 rounds; 9 rows, below both thresholds, read 1.00x). From 7 rows
-// (blocks of 3-5 rows, each walking the whole panel), 7 and 9 rows took 1.05x (session 58).
+// chunk by chunk of k, CHUNK below), fp16 weights' x interleaved (linear; on AVX2 from 6 rows:
+// INTERLEAVED below). The one threshold every choice keys on. Where prefill reads fp16 weights
+// as packed (PREFILL_READS_FP16), it takes 10 rows and more (two blocks of 5-6 rows, or more
+// blocks): on the Zen 3, whole forwards at 10-12 rows took 0.95-0.96x the time, 13-18 rows
+// 0.93-0.95x (taking turns with the verify step's chunked blocks, context 100, 15 rounds; 9 rows,
+// below both thresholds, read 1.00x). From 7 rows (blocks of 3-5 rows, each walking the whole
+// panel), 7 and 9 rows took 1.05x (session 58).
 #define PREFILL(M) ((M) > (PREFILL_READS_FP16 ? 9 : 3 * MAX_ROWS))
+// Decode and verify over fp16 weights read x interleaved (linear, "x interleaved"), but on AVX2
+// not up to 5 rows: one block of at most 5 rows then reads its rows in place, with no copy before
+// the tiles (nor a wait for the other threads' share of it), and its loop keeps the same
+// instructions (43 for 20 FMAs at 5 rows; at 6 rows GCC keeps the row pointers on the stack, 67
+// for 24 where interleaved takes 46, so 6 rows stay interleaved). The default model's 120 body
+// linears, taking turns with the build before on the Zen 3 (2 threads, the same bits): 2-5 rows
+// 0.88-0.95x the time; whole forwards at context 100 T=2-5 0.975-0.989x, at 700 T=2 and T=4 0.98x
+// (15 rounds; T=1 and from 6 rows the same code). Not measured on AVX-512, which keeps the copy.
+#define INTERLEAVED(M) ((M) >= (LANES == 8 ? MAX_ROWS : 2) && !PREFILL(M))
 #define ROW_BLOCKS(M) CEIL(M, PREFILL(M) ? MAX_ROWS : MAX_BLOCK)  // B; block i from row M i / B
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
@@ -269,7 +279,8 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 // pair of k (AVX512-BF16; a panel is one vector there): x's pair is one 32-bit word, broadcast, and
 // the weights' pair layout is what the instruction takes, so nothing is widened; the tile reads its
 // panels where they are packed, K2 * 64 bytes apart (prefill's tiles of WIDE panels too). wt 2
-// (fp16 weights, decode and verify): x is the call's M rows interleaved, [k][M] (linear).
+// (fp16 weights, decode and verify; AVX2 from 6 rows): x is the call's M rows interleaved,
+// [k][M] (linear).
 static inline __attribute__((always_inline)) void
 tile(const void *x, const char *w, const void *bias, void *y, int64_t M, int64_t m0, int p0, int N,
      int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int pv, const int wt,
@@ -294,7 +305,7 @@ tile(const void *x, const char *w, const void *bias, void *y, int64_t M, int64_t
             for (int v = 0; v < pv; v++) wk[v] = widen(pair, v, half, wt, pv);
             for (int r = 0; r < R; r++) {
                 int64_t k = 2 * kp + half, at = (m0 + r) * 2 * K2 + k;
-                if (wt == 2 && !PREFILL(M)) at = k * M + m0 + r;  // x interleaved (linear)
+                if (wt == 2 && INTERLEAVED(M)) at = k * M + m0 + r;  // (linear)
                 vf xk = splat(((const float *)x)[at]);
                 for (int v = 0; v < pv; v++) acc[r * pv + v] += xk * wk[v];  // FMA
             }
@@ -488,7 +499,6 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
     // (in whole tiles of WIDE panels, as pack_weight pads them to pairs: on AVX-512 a panel past N
     // is zeros, computed, never stored)
     int64_t K2 = K / 2, num_panels = CEIL(N, WIDE * PANEL) * WIDE;
-    if (M == 0) return;  // (no tile shape has 0 rows)
     // Decode and verify over fp16 weights (dtype auto on AVX2, where most users are): x interleaved
     // into `scratch` as [k][M] (x transposed: at each k, the M rows side by side), so that a tile
     // reads all its rows' broadcasts through one pointer. With a pointer a row, GCC kept six of
@@ -496,12 +506,14 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
     // 6-row tile on avx2. (Until session 49 each row block had its own [k][its rows]; finding a
     // row's block took the copy a division a row and vector, and three once blocks were split
     // evenly: [k][M] needs none, and the gated copy at 9-13 rows took 0.95-0.98x the time.)
-    // Prefill's blocked tiles and the other weight types read x in place (for prefill the copy cost
-    // more than it saved). One row is the same either way. Gated rows (the MLP's down projection,
-    // at every M) are always copied, as silu(g) u, in the layout their tiles read.
+    // Prefill's blocked tiles, the other weight types and AVX2's calls of up to 5 rows
+    // (INTERLEAVED) read x in place (for prefill the copy cost more than it saved; for one block
+    // of up to 5 rows the copy and the wait after it cost more than the 5 row pointers). One row
+    // is the same either way. Gated rows (the MLP's down projection, at every M) are always
+    // copied, as silu(g) u, in the layout their tiles read.
     // (elem: the bytes of an element of x; only gated rows come in bf16)
-    int interleaved = !amx && wt == 2 && !PREFILL(M), elem = x_bf16 ? 2 : 4;
-    int64_t copied_rows = (amx && !x_bf16) || (M > 1 && interleaved) || gated ? M : 0;
+    int interleaved = !amx && wt == 2 && INTERLEAVED(M), elem = x_bf16 ? 2 : 4;
+    int64_t copied_rows = (amx && !x_bf16) || interleaved || gated ? M : 0;
     const void *rows = copied_rows ? scratch : x;  // (x's copy: the start of scratch)
     // Each thread takes runs of panels (below) and walks every row through them: its weights stay
     // in its cache while the rows pass, and which thread computes an output never changes its

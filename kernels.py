@@ -410,7 +410,8 @@ def c_linear(x, layer: Linear, gated=False):
     # serves every case: the pages a call never touches are never mapped in (a 2048-token chunk
     # of a wide model's x would be 100 MB, but only gated or split rows are copied past 18 or 24).
     scratch = cpu_scratch(in_features * (num_rows + 32 * threads)).data_ptr()
-    lib.linear(rows.data_ptr(), out.data_ptr(), num_rows, scratch, threads, fixed, gated)
+    if num_rows:  # (no tile shape has 0 rows)
+        lib.linear(rows.data_ptr(), out.data_ptr(), num_rows, scratch, threads, fixed, gated)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.out_features)
 
 
