@@ -197,8 +197,9 @@ static inline vf exp_vf(vf x) {
 // instructions (43 for 20 FMAs at 5 rows; at 6 rows GCC keeps the row pointers on the stack, 67
 // for 24 where interleaved takes 46, so 6 rows stay interleaved). The default model's 120 body
 // linears, taking turns with the build before on the Zen 3 (2 threads, the same bits): 2-5 rows
-// 0.88-0.95x the time; whole forwards at context 100 T=2-5 0.975-0.989x, at 700 T=2 and T=4 0.98x
-// (15 rounds; T=1 and from 6 rows the same code). Not measured on AVX-512, which keeps the copy.
+// 0.88-0.97x the time; whole forwards of 2-5 rows at contexts 100 and 700 0.97-1.00x (two runs of
+// 15 rounds; T=1 and from 6 rows the same code; session 59). Not measured on AVX-512, which keeps
+// the copy.
 #define INTERLEAVED(M) ((M) >= (LANES == 8 ? MAX_ROWS : 2) && !PREFILL(M))
 #define ROW_BLOCKS(M) CEIL(M, PREFILL(M) ? MAX_ROWS : MAX_BLOCK)  // B; block i from row M i / B
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
