@@ -45,10 +45,11 @@ def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
 @X_AND_W_DTYPES
 @pytest.mark.parametrize("n,k", [(576, 576), (96, 1536), (37, 21), (40, 64), (24, 100)])
 def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
-    """Every M walks the same chain: decode's 1 row, verify's few (one pass over the weights; from
-    7 rows, 17 on AVX-512 (8 + 9), row blocks that take turns a chunk of k at a time, K=576 ending
-    in a short chunk), prefill's many (each panel of 16-bit weights widened once; on AMX, tiles of
-    up to 16 rows over weights split into bf16 halves)."""
+    """Every M walks the same chain: decode's 1 row, verify's few (one pass over the weights, x
+    read in place up to 5 rows on AVX2, interleaved from 6; from 7 rows, 17 on AVX-512 (8 + 9), row
+    blocks that take turns a chunk of k at a time, K=576 ending in a short chunk), prefill's many
+    (each panel of 16-bit weights widened once; on AMX, tiles of up to 16 rows over weights split
+    into bf16 halves)."""
     if w_dtype == torch.float16 and c_isa == "generic":
         pytest.skip("fp16 weights need F16C, which the generic build does not assume")
     weight, bias = (0.05 * torch.randn(n, k)).to(w_dtype), torch.randn(n).to(x_dtype)
