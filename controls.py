@@ -16,10 +16,11 @@ from models import require
 STRUCTURED = ("json_schema", "regex", "grammar", "choice")
 
 
-def check_params(params):
-    """SamplingParams.__post_init__'s checks of the controls, with vLLM's ranges."""
+def check_params(params, checks: dict):
+    """SamplingParams.__post_init__'s checks: its own (`checks`, name -> valid), then those of the
+    controls, with vLLM's ranges."""
     bias, allowed = params.logit_bias or {}, params.allowed_token_ids
-    checks = {
+    checks |= {
         "repetition_penalty": 0 < params.repetition_penalty < math.inf,
         "presence_penalty": -2 <= params.presence_penalty <= 2,
         "frequency_penalty": -2 <= params.frequency_penalty <= 2,
@@ -78,9 +79,8 @@ def process_logits(
     if params.repetition_penalty != 1:
         seen = torch.tensor(history, dtype=torch.long).unique()
         x = logits[seen]
-        logits[seen] = torch.where(
-            x > 0, x / params.repetition_penalty, x * params.repetition_penalty
-        )
+        penalty = params.repetition_penalty
+        logits[seen] = torch.where(x > 0, x / penalty, x * penalty)
     if params.presence_penalty != 0 or params.frequency_penalty != 0:
         output = history[num_prompt_tokens:]
         ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)

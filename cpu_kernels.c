@@ -31,17 +31,13 @@ typedef uint16_t bf16;  // raw bfloat16 bits: the top half of an fp32
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
-typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
 // The same, read or written at any address (a plain vector type promises its own alignment)
 typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(2), may_alias));
 typedef uint32_t vu_u __attribute__((vector_size(LANES * 4), aligned(2), may_alias));
 typedef uint16_t vh_u __attribute__((vector_size(LANES * 2), aligned(2), may_alias));
 
-// An fp32 and its bits as one-lane vectors: a cast between them keeps the bits
-typedef float f32x1 __attribute__((vector_size(4)));
-typedef uint32_t u32x1 __attribute__((vector_size(4)));
-
-static inline float to_f32(bf16 h) { return ((f32x1)(u32x1){(uint32_t)h << 16})[0]; }
+// An fp32 and its bits as lane 0 of vectors: a cast between vf and vu keeps the bits
+static inline float to_f32(bf16 h) { return ((vf)(vu){(uint32_t)h << 16})[0]; }
 
 static inline float get(const void *p, int64_t i, int is_bf16) {  // element i: fp32 or bf16
     return is_bf16 ? to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
@@ -49,7 +45,7 @@ static inline float get(const void *p, int64_t i, int is_bf16) {  // element i: 
 
 // fp32 bits u (a uint32 or a vector of them) rounded to bf16's bits: to nearest even, as torch does
 #define ROUND_BF16(u) (((u) + 0x7FFF + (((u) >> 16) & 1)) >> 16)
-static inline bf16 to_bf16(float f) { return ROUND_BF16(((u32x1)(f32x1){f})[0]); }
+static inline bf16 to_bf16(float f) { return ROUND_BF16(((vu)(vf){f})[0]); }
 
 // LANES values of type 0 (fp32), 1 (bf16: a shift) or 2 (fp16: F16C's vcvtph2ps, every build but
 // the generic one), widened to fp32 exactly.
@@ -65,7 +61,7 @@ static inline vf load_vf(const void *p, const int type) {
 
 static inline void store_vf(void *p, vf v, int is_bf16) {  // rounded to nearest even for bf16
     if (is_bf16)
-        *(vh_u *)p = __builtin_convertvector(ROUND_BF16((vu)v), vh);
+        *(vh_u *)p = __builtin_convertvector(ROUND_BF16((vu)v), vh_u);
     else
         *(vf_u *)p = v;
 }

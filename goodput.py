@@ -212,16 +212,12 @@ def profile_step_costs(engine, max_tokens: int) -> tuple[dict[int, float], float
         # pass, not a size (a spoilt size or context bent the costs: drafting looked too dear to
         # try, K stayed 0). The sizes verification uses (up to 9 tokens) decide K: with three
         # passes, three runs on a busy machine chose K = 3 in one and 4 in another. Sizes past 64
-        # take long enough that a burst hardly moves them: one pass (a second saved).
+        # take long enough that a burst hardly moves them: one pass (a second saved). So each pass
+        # times the sizes up to its limit: all, up to 64 twice, then up to 9 twice.
         passes = [
-            [
-                time_forward(engine, probe, size, 0)
-                if p == 0 or size <= (64 if p < 3 else 9)
-                else math.inf
-                for size in sizes
-            ]
+            [time_forward(engine, probe, size, 0) if size <= limit else math.inf for size in sizes]
             + [time_forward(engine, probe, n, context)]
-            for p in range(5)
+            for limit in (math.inf, 64, 64, 9, 9)
         ]
     finally:
         engine.blocks.free(probe)

@@ -52,9 +52,7 @@ class SamplingParams:
             # A seed torch's generators take.
             "seed": self.seed is None or isinstance(self.seed, int) and 0 <= self.seed < 2**64,
         }
-        for name, ok in checks.items():
-            require(ok, f"SamplingParams.{name} has an invalid value: {getattr(self, name)!r}")
-        controls.check_params(self)
+        controls.check_params(self, checks)  # these, then the controls'
 
 
 # How fast auto K forgets a request's acceptance: each spec step weighs 0.8 of the one after it (a

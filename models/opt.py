@@ -40,10 +40,9 @@ class OPTForCausalLM(nn.Module):
 
     def __init__(self, config: dict, arch: str = "OPTForCausalLM"):
         super().__init__()
-        if config.get("activation_function", "relu") != "relu":
-            raise ValueError(
-                f"config.json: OPT activation {config['activation_function']!r} is unsupported"
-            )
+        activation = config.get("activation_function", "relu")
+        if activation != "relu":
+            raise ValueError(f"config.json: OPT activation {activation!r} is unsupported")
         hidden = config["hidden_size"]
         proj_dim = config.get("word_embed_proj_dim") or hidden
         # namespaces: parameter names are the checkpoint's ("model.decoder...")
