@@ -7,6 +7,7 @@
 import ctypes
 import functools
 import hashlib
+import mmap
 import os
 import subprocess
 import threading
@@ -328,7 +329,35 @@ def pack_weight(weight: torch.Tensor, storage: torch.dtype | None = None) -> tor
     # [panel, n, k / 2, 2]
     pairs = F.pad(weight, (0, k % 2, 0, -n % 32)).reshape(-1, 16, (k + 1) // 2, 2)
     order = (0, 2, 1, 3) if weight.dtype == torch.bfloat16 else (0, 2, 3, 1)
-    return pairs.permute(order).contiguous()
+    return weights_memory(pairs.permute(order))
+
+
+_weights_memory = torch.empty(0, dtype=torch.uint8)
+
+
+def weights_memory(weights: torch.Tensor) -> torch.Tensor:
+    """A copy of packed weights in memory the kernel may back with 2 MB pages.
+
+    A decode step streams every weight once, ~270 MB for the default model: on 4 KB pages, a TLB
+    miss every 4 KB of it. Linux backs memory with transparent huge pages where a program asks
+    (madvise: the default mode of most distributions) and the region spans whole 2 MB pages, so
+    packed weights go one after another into private mappings of 64 MB (or one weight's size)
+    that ask; each is copied in as it is packed, so a load never holds the packed weights twice.
+    On the Zen 3 (avx2, dtype auto, two models in one process taking turns, the same bits): T=1
+    forwards 0.96-0.97x the time at contexts 100 and 700, T=5 0.97x, T=9 0.98x (BENCHMARKS.md,
+    sessions 59-60). Every packed weight is a multiple of 128 bytes (whole pairs of 16-column
+    panels), so each starts on a cache line. (What is left of the last mapping waits for the next
+    weight, and keeps that mapping while it waits: a model freed leaves at most 64 MB behind.)"""
+    global _weights_memory
+    nbytes = weights.numel() * weights.element_size()
+    if _weights_memory.numel() < nbytes:
+        # (Python's default mapping is shared, and a shared mapping gets no huge pages)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        mapping = mmap.mmap(-1, max(nbytes, 64 << 20), flags=flags)
+        mapping.madvise(getattr(mmap, "MADV_HUGEPAGE", mmap.MADV_NORMAL))  # (Linux's only)
+        _weights_memory = torch.frombuffer(mapping, dtype=torch.uint8)
+    memory, _weights_memory = _weights_memory[:nbytes], _weights_memory[nbytes:]
+    return memory.view(weights.dtype).view(weights.shape).copy_(weights)
 
 
 def use_linears(model: nn.Module, pack: bool = True, small_weights: bool = False) -> nn.Module:

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import random
+import re
 import shutil
 import subprocess
 import warnings
@@ -441,6 +442,28 @@ def test_a_c_linear_refuses_rows_of_another_dtype():
     assert layer(torch.ones(2, 32)).shape == (2, 16)
     with pytest.raises(AssertionError, match="torch.bfloat16 rows for a linear built for"):
         layer(torch.ones(2, 32, dtype=torch.bfloat16))
+
+
+def test_packed_weights_sit_in_memory_that_asks_for_huge_pages():
+    """pack_weight copies the panels one after another into private mappings that ask Linux for
+    transparent huge pages (kernels.weights_memory): THPeligible in /proc/self/smaps, which a
+    torch.empty of the same size does not have where the mode is "madvise"."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("no transparent huge pages on this machine")
+    weight = torch.randn(40, 31)
+    packed = kernels.pack_weight(weight)  # [64, 32] in panels of 16 columns, pairs of k
+    unpacked = packed.permute(0, 3, 1, 2).reshape(64, 32)  # [n, k] again, padded with zeros
+    assert torch.equal(unpacked, F.pad(weight, (0, 1, 0, 24)))
+    mappings = re.finditer(r"^(\w+)-(\w+) .*\n(?:(?!\w+-\w+ ).*\n)*", smaps(), re.M)
+    (mapping,) = [m[0] for m in mappings if int(m[1], 16) <= packed.data_ptr() < int(m[2], 16)]
+    if "THPeligible" not in mapping:
+        pytest.skip("this kernel does not report THPeligible")
+    assert re.search(r"THPeligible:\s+1", mapping), mapping
+
+
+def smaps() -> str:
+    return Path("/proc/self/smaps").read_text()
 
 
 @needs_c_kernels
