@@ -179,25 +179,28 @@ static inline vf exp_vf(vf x) {
 #define CEIL(a, b) (((a) + (b) - 1) / (b))  // a / b rounded up
 // Prefill: more rows than a verify step has (up to 18; AVX-512 24), in blocks of MAX_ROWS and
 // tiles of WIDE panels, x read in place; decode and verify in blocks of up to MAX_BLOCK (several:
-// chunk by chunk of k, CHUNK below), fp16 weights' x interleaved (linear; on AVX2 from 6 rows:
-// INTERLEAVED below). The one threshold every choice keys on. Where prefill reads fp16 weights
-// as packed (PREFILL_READS_FP16), it takes 10 rows and more (two blocks of 5-6 rows, or more
-// blocks): on the Zen 3, whole forwards at 10-12 rows took 0.95-0.96x the time, 13-18 rows
-// 0.93-0.95x (taking turns with the verify step's chunked blocks, context 100, 15 rounds; 9 rows,
-// below both thresholds, read 1.00x). From 7 rows (blocks of 3-5 rows, each walking the whole
-// panel), 7 and 9 rows took 1.05x (session 58).
+// chunk by chunk of k, CHUNK below), fp16 weights' x interleaved (linear; on AVX2 only where a
+// block has 6 rows: INTERLEAVED below). The one threshold every choice keys on. Where prefill
+// reads fp16 weights as packed (PREFILL_READS_FP16), it takes 10 rows and more (two blocks of 5-6
+// rows, or more blocks): on the Zen 3, whole forwards at 10-12 rows took 0.95-0.96x the time,
+// 13-18 rows 0.93-0.95x (taking turns with the verify step's chunked blocks, context 100, 15
+// rounds; 9 rows, below both thresholds, read 1.00x). From 7 rows (blocks of 3-5 rows, each
+// walking the whole panel), 7 and 9 rows took 1.05x (session 58).
 #define PREFILL(M) ((M) > (PREFILL_READS_FP16 ? 9 : 3 * MAX_ROWS))
-// Decode and verify over fp16 weights read x interleaved (linear, "x interleaved"), but on AVX2
-// not up to 5 rows: one block of at most 5 rows then reads its rows in place, with no copy before
-// the tiles (nor a wait for the other threads' share of it), and its loop keeps the same
-// instructions (43 for 20 FMAs at 5 rows; at 6 rows GCC keeps the row pointers on the stack, 67
-// for 24 where interleaved takes 46, so 6 rows stay interleaved). The default model's 120 body
-// linears, taking turns with the build before on the Zen 3 (2 threads, the same bits): 2-5 rows
-// 0.88-0.97x the time; whole forwards of 2-5 rows at contexts 100 and 700 0.97-1.00x (two runs of
-// 15 rounds; T=1 and from 6 rows the same code; session 59). Not measured on AVX-512, which keeps
-// the copy.
-#define INTERLEAVED(M) ((M) >= (LANES == 8 ? MAX_ROWS : 2) && !PREFILL(M))
 #define ROW_BLOCKS(M) CEIL(M, PREFILL(M) ? MAX_ROWS : MAX_BLOCK)  // B; block i from row M i / B
+// Decode and verify over fp16 weights read x interleaved (linear, "x interleaved"), but on AVX2
+// only where a row block has 6 rows (6 rows; on Intel's cores 11, 12 and 16-18 too): blocks of at
+// most 5 rows read their rows in place, with no copy before the tiles (nor a wait for the other
+// threads' share of it), and their loops keep the same instructions (43 for 20 FMAs at 5 rows; at
+// 6 rows GCC keeps the row pointers on the stack, 67 for 24 where interleaved takes 46, so 6-row
+// blocks stay interleaved). The default model's 120 body linears, taking turns with the build
+// before on the Zen 3 (2 threads, the same bits): 2-5 rows 0.88-0.97x the time; whole forwards of
+// 2-5 rows at contexts 100 and 700 0.97-1.00x (two runs of 15 rounds; session 59). 7-9 rows (3 + 4,
+// 4 + 4, 4 + 5) too from session 60: forwards of 7-9 rows at context 100 0.97-0.98x the time, 9 at
+// 700 0.97x (T=1, the same code, 0.995x; 15 rounds). Not measured on AVX-512, which keeps the copy.
+// The call works out whether it interleaves once, and hands its tiles M there, 0 elsewhere (xm):
+// a tile that worked it out from M itself kept the divisions in its loop (1.1-1.5x slower).
+#define INTERLEAVED(M) ((LANES == 8 ? CEIL(M, ROW_BLOCKS(M)) == MAX_ROWS : (M) >= 2) && !PREFILL(M))
 // A tile prefetches its weights AHEAD pairs of k ahead: with the hardware prefetchers alone the
 // stream stalls while a tile of several rows computes (a T=9 forward 6% slower on AVX512-BF16, 21%
 // on AVX2, session 10). Into L2 (prefetcht1), not non-temporal: prefetchnta, landed for a
@@ -275,11 +278,11 @@ static inline void store_tile(const vf *acc, const void *bias, void *y, int64_t 
 // the last pair it adds the bias and writes y. wt 3: bf16 weights under bf16 x, one dot product a
 // pair of k (AVX512-BF16; a panel is one vector there): x's pair is one 32-bit word, broadcast, and
 // the weights' pair layout is what the instruction takes, so nothing is widened; the tile reads its
-// panels where they are packed, K2 * 64 bytes apart (prefill's tiles of WIDE panels too). wt 2
-// (fp16 weights, decode and verify; AVX2 from 6 rows): x is the call's M rows interleaved,
-// [k][M] (linear).
+// panels where they are packed, K2 * 64 bytes apart (prefill's tiles of WIDE panels too). xm, for
+// fp16 weights (wt 2) in decode and verify where INTERLEAVED: the call's rows, x being all of them
+// interleaved, [k][xm] (linear); else 0, x read in place.
 static inline __attribute__((always_inline)) void
-tile(const void *x, const char *w, const void *bias, void *y, int64_t M, int64_t m0, int p0, int N,
+tile(const void *x, const char *w, const void *bias, void *y, int64_t xm, int64_t m0, int p0, int N,
      int64_t K2, int64_t kp0, int64_t kp1, vf *sums, const int R, const int pv, const int wt,
      int y_bf16) {
     if (R > MAX_BLOCK) return;  // (a row count no call has: not compiled)
@@ -302,7 +305,7 @@ tile(const void *x, const char *w, const void *bias, void *y, int64_t M, int64_t
             for (int v = 0; v < pv; v++) wk[v] = widen(pair, v, half, wt, pv);
             for (int r = 0; r < R; r++) {
                 int64_t k = 2 * kp + half, at = (m0 + r) * 2 * K2 + k;
-                if (wt == 2 && INTERLEAVED(M)) at = k * M + m0 + r;  // (linear)
+                if (wt == 2 && xm) at = k * xm + m0 + r;  // (x interleaved: linear)
                 vf xk = splat(((const float *)x)[at]);
                 for (int v = 0; v < pv; v++) acc[r * pv + v] += xk * wk[v];  // FMA
             }
@@ -322,11 +325,11 @@ tile(const void *x, const char *w, const void *bias, void *y, int64_t M, int64_t
 // instructions and 24 loads for its 24 FMAs, against 60 and 16) and it ran 1.06x slower on a Zen 5.
 #define ROWS(R)                                                                                    \
     case R:                                                                                        \
-        tile(x, w0, bias, y, M, m0, p0, N, K2, kp0, kp1, sums, R, pv, wt, y_bf16);                 \
+        tile(x, w0, bias, y, xm, m0, p0, N, K2, kp0, kp1, sums, R, pv, wt, y_bf16);                \
         break;
 #define ROWS4(R1, R2, R3, R4) ROWS(R1) ROWS(R2) ROWS(R3) ROWS(R4)
 static inline __attribute__((always_inline)) void
-tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t M, int64_t m0, int p0,
+tile_rows(const void *x, const char *w0, const void *bias, void *y, int64_t xm, int64_t m0, int p0,
           int N, int64_t K2, int64_t kp0, int64_t kp1, vf *sums, int rows, const int pv,
           const int wt, int y_bf16) {
     switch (rows) { ROWS4(1, 5, 9, 13) ROWS4(2, 6, 10, 14) ROWS4(3, 7, 11, 15) ROWS4(4, 8, 12, 16) }
@@ -344,6 +347,7 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
     // straight from the packed panel where the build says so (PREFILL_READS_FP16, below)
     int blocked = wt && PREFILL(M) && !(PREFILL_READS_FP16 && wt == 2);
     int64_t blocks = ROW_BLOCKS(M), chunk = blocks > 1 && !PREFILL(M) ? CHUNK : K2;
+    int64_t xm = wt == 2 && INTERLEAVED(M) ? M : 0;  // (tile)
     // the row blocks' accumulators between chunks, or on their way to y
     vf sums[3 * MAX_ROWS * PV * WIDE];
     for (int p0 = first; p0 < last; p0 += blocked ? WIDE : 1) {
@@ -362,7 +366,7 @@ linear_panels(const void *x, const void *w, const void *bias, void *y, int64_t M
 // (each row block's sums at its own rows where the blocks take turns a chunk at a time; with one
 // chunk, each tile's sums go to y at once, and every tile's start at sums[0])
 #define TILES(PVS, WT)                                                                             \
-    tile_rows(x, blocked && wt != 3 ? (const char *)scratch : w0, bias, y, M, m0, p0, N, K2, kp0, \
+    tile_rows(x, blocked && wt != 3 ? (const char *)scratch : w0, bias, y, xm, m0, p0, N, K2, kp0,\
               kp1, sums + (chunk < K2 ? m0 * PV : 0), rows, PVS, WT, y_bf16)
                 blocked ? TILES(WIDE * PV, wt == 3 ? 3 : 0) : TILES(PV, wt);
             }
@@ -503,9 +507,9 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
     // 6-row tile on avx2. (Until session 49 each row block had its own [k][its rows]; finding a
     // row's block took the copy a division a row and vector, and three once blocks were split
     // evenly: [k][M] needs none, and the gated copy at 9-13 rows took 0.95-0.98x the time.)
-    // Prefill's blocked tiles, the other weight types and AVX2's calls of up to 5 rows
-    // (INTERLEAVED) read x in place (for prefill the copy cost more than it saved; for one block
-    // of up to 5 rows the copy and the wait after it cost more than the 5 row pointers). One row
+    // Prefill's blocked tiles, the other weight types and AVX2's blocks of up to 5 rows
+    // (INTERLEAVED) read x in place (for prefill the copy cost more than it saved; for blocks of
+    // up to 5 rows the copy and the wait after it cost more than the 5 row pointers). One row
     // is the same either way. Gated rows (the MLP's down projection, at every M) are always
     // copied, as silu(g) u, in the layout their tiles read.
     // (elem: the bytes of an element of x; only gated rows come in bf16)
