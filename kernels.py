@@ -433,11 +433,12 @@ def c_linear(x, layer: Linear, gated=False):
     rows = F.pad(rows, (0, 1)) if pad else rows.contiguous()  # (contiguous: rows themselves if so)
     num_rows, threads, in_features = rows.shape[0], torch.get_num_threads(), fixed[3]
     out = torch.empty(num_rows, layer.out_features, dtype=x.dtype)
-    # Room for x interleaved, [k][M] (fp16 weights, 6-18 rows, 2-24 on AVX-512), gated (every
-    # M) or split in two bf16 halves (AMX over fp16 weights), then per thread: a panel of 16-bit
-    # weights widened to fp32 for prefill, or a panel pair's weights split (cpu_kernels.c). One size
-    # serves every case: the pages a call never touches are never mapped in (a 2048-token chunk
-    # of a wide model's x would be 100 MB, but only gated or split rows are copied past 18 or 24).
+    # Room for x interleaved, [k][M] (fp16 weights, where a row block has 6 of up to 18 rows; 2-24
+    # on AVX-512), gated (every M) or split in two bf16 halves (AMX over fp16 weights), then per
+    # thread: a panel of 16-bit weights widened to fp32 for prefill, or a panel pair's weights
+    # split (cpu_kernels.c). One size serves every case: the pages a call never touches are never
+    # mapped in (a 2048-token chunk of a wide model's x would be 100 MB, but only gated or split
+    # rows are copied past 18 or 24).
     scratch = cpu_scratch(in_features * (num_rows + 32 * threads)).data_ptr()
     if num_rows:  # (no tile shape has 0 rows)
         lib.linear(rows.data_ptr(), out.data_ptr(), num_rows, scratch, threads, fixed, gated)

@@ -17,7 +17,8 @@ from test_kernels import DEVICE, X_AND_W_DTYPES, c_rotary, make_paged_batch, reb
 import kernels
 
 # (AVX-512: one block up to 16, 17 = 8 + 9, 24 = 12 + 12 the most rows not taken as prefill;
-# AVX2 reads x in place up to 5 rows, interleaved from 6: cpu_kernels.c, INTERLEAVED)
+# AVX2 reads x in place in blocks of up to 5 rows, interleaved where a block has 6: 6 rows as one
+# block, 7 as 3 + 4; cpu_kernels.c, INTERLEAVED)
 ROW_COUNTS = [1, 2, 3, 5, 6, 7, 9, 13, 16, 17, 24, 33, 300]
 ISAS = ["amx", "avx512bf16", "avx512", "avx2", "generic"]
 
@@ -46,7 +47,7 @@ def assert_rows_invariant(op, x: torch.Tensor, counts=ROW_COUNTS):
 @pytest.mark.parametrize("n,k", [(576, 576), (96, 1536), (37, 21), (40, 64), (24, 100)])
 def test_c_linear_rows_are_invariant(c_isa, n, k, x_dtype, w_dtype):
     """Every M walks the same chain: decode's 1 row, verify's few (one pass over the weights, x
-    read in place up to 5 rows on AVX2, interleaved from 6; from 7 rows, 17 on AVX-512 (8 + 9), row
+    read in place on AVX2 but where a block has 6 rows; from 7 rows, 17 on AVX-512 (8 + 9), row
     blocks that take turns a chunk of k at a time, K=576 ending in a short chunk), prefill's many
     (each panel of 16-bit weights widened once; on AMX, tiles of up to 16 rows over weights split
     into bf16 halves)."""

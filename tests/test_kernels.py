@@ -455,15 +455,12 @@ def test_packed_weights_sit_in_memory_that_asks_for_huge_pages():
     packed = kernels.pack_weight(weight)  # [64, 32] in panels of 16 columns, pairs of k
     unpacked = packed.permute(0, 3, 1, 2).reshape(64, 32)  # [n, k] again, padded with zeros
     assert torch.equal(unpacked, F.pad(weight, (0, 1, 0, 24)))
-    mappings = re.finditer(r"^(\w+)-(\w+) .*\n(?:(?!\w+-\w+ ).*\n)*", smaps(), re.M)
+    smaps = Path("/proc/self/smaps").read_text()  # each mapping: its range, then its fields
+    mappings = re.finditer(r"^(\w+)-(\w+) .*\n(?:(?!\w+-\w+ ).*\n)*", smaps, re.M)
     (mapping,) = [m[0] for m in mappings if int(m[1], 16) <= packed.data_ptr() < int(m[2], 16)]
     if "THPeligible" not in mapping:
         pytest.skip("this kernel does not report THPeligible")
     assert re.search(r"THPeligible:\s+1", mapping), mapping
-
-
-def smaps() -> str:
-    return Path("/proc/self/smaps").read_text()
 
 
 @needs_c_kernels
