@@ -93,19 +93,16 @@ def run_hf(model, tokenizer, prompts, batch_size, args, prompt_lookup=None) -> f
     encoding = dict(return_tensors="pt", padding=True, add_special_tokens=False)
     warm = tokenizer(prompts[:1], **encoding).to(model.device)
     model.generate(**warm, **{**kwargs, "max_new_tokens": 4})
-    runs = []
-    for _ in range(args.repeat):
-        num_tokens, start = 0, time.perf_counter()
-        for i in range(0, len(prompts), batch_size):
-            batch = tokenizer(prompts[i : i + batch_size], **encoding).to(model.device)
-            with torch.inference_mode():
-                new = model.generate(**batch, **kwargs)[:, batch["input_ids"].shape[1] :]
-            is_eos = new == tokenizer.eos_token_id
-            num_tokens += sum(
-                int(row.nonzero()[0]) + 1 if row.any() else len(row) for row in is_eos
-            )
-        runs.append(num_tokens / (time.perf_counter() - start))
-    return float(np.median(runs))
+
+    def num_tokens(i: int) -> int:  # of the batch from prompt i
+        batch = tokenizer(prompts[i : i + batch_size], **encoding).to(model.device)
+        with torch.inference_mode():
+            new = model.generate(**batch, **kwargs)[:, batch["input_ids"].shape[1] :]
+        is_eos = new == tokenizer.eos_token_id
+        return sum(int(row.nonzero()[0]) + 1 if row.any() else len(row) for row in is_eos)
+
+    batches = range(0, len(prompts), batch_size)
+    return float(np.median([tok_s(num_tokens, batches) for _ in range(args.repeat)]))
 
 
 def run_llama_cpp(gguf: str, llm: LLM, prompts, args) -> float:
@@ -119,18 +116,23 @@ def run_llama_cpp(gguf: str, llm: LLM, prompts, args) -> float:
     threads, context = torch.get_num_threads(), max(map(len, prompt_ids)) + args.max_tokens
     llama = Llama(gguf, n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
     next(llama.generate(prompt_ids[0], temp=0.0))  # warm-up
-    runs = []
-    for _ in range(args.repeat):
-        num_tokens, start = 0, time.perf_counter()
-        for ids in prompt_ids:
-            llama.reset()  # no prefix kept from the prompt before: nanospec's runs cache none
-            # (the generator decodes a token when asked for it: none past the last one counted)
-            for n, token in enumerate(llama.generate(ids, temp=0.0), 1):
-                if token in llm.eos_ids or n == args.max_tokens:
-                    break
-            num_tokens += n
-        runs.append(num_tokens / (time.perf_counter() - start))
-    return float(np.median(runs))
+
+    def num_tokens(ids: list[int]) -> int:
+        llama.reset()  # no prefix kept from the prompt before: nanospec's runs cache none
+        # (the generator decodes a token when asked for it: none past the last one counted)
+        for n, token in enumerate(llama.generate(ids, temp=0.0), 1):
+            if token in llm.eos_ids or n == args.max_tokens:
+                break
+        return n
+
+    return float(np.median([tok_s(num_tokens, prompt_ids) for _ in range(args.repeat)]))
+
+
+def tok_s(num_tokens, items) -> float:
+    """One timed run of num_tokens(item) over every item (it generates, and counts what it
+    generated): tokens per second (run_hf, run_llama_cpp)."""
+    start = time.perf_counter()
+    return sum(map(num_tokens, items)) / (time.perf_counter() - start)
 
 
 TURN = "{} prompt tokens ({} cached), {} out: TTFT {:.3f} s, {:.1f} tok/s"
