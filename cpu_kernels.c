@@ -88,6 +88,43 @@ static inline vf exp_vf(vf x) {
 }
 
 // -----------------------------------------------------------------------------------------------
+// RMSNorm and rotary, fp32 or bf16: torch runs each as a chain of small ops (a dozen calls of ~1 us
+// each at decode); here one pass. bf16 is rounded like the torch reference step by step, so the two
+// agree bit for bit; fp32 rounds each operation once, as torch does, but may fuse a multiply and an
+// add (and sums in its own order). Scalar reads and writes of element i: fp32 or bf16, and for put
+// fp16 too (type as load_vf's), rounded to nearest even as torch rounds.
+static inline float rounded(float v, int is_bf16) { return is_bf16 ? to_f32(to_bf16(v)) : v; }
+
+static inline void put(void *p, int64_t i, float v, int type) {
+#ifdef __F16C__
+    if (type == 2) ((uint16_t *)p)[i] = _cvtss_sh(v, 0);
+#endif
+    if (type == 1) ((bf16 *)p)[i] = to_bf16(v);
+    if (!type) ((float *)p)[i] = v;
+}
+
+// RMSNorm of x [rows, H] in fp32: x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times w. With
+// residual: x + residual (rounded) is normed and also written to residual_out.
+void rms_norm(const void *x, const void *residual, const void *weight, void *out,
+              void *residual_out, int rows, int hidden, float eps, int is_bf16) {
+#pragma omp parallel for schedule(static) if (rows > 16)
+    for (int r = 0; r < rows; r++) {
+        float row[hidden], sum_sq = 0.0f;
+        int64_t at = (int64_t)r * hidden;
+        for (int i = 0; i < hidden; i++) {
+            float v = get(x, at + i, is_bf16);
+            row[i] = residual ? rounded(v + get(residual, at + i, is_bf16), is_bf16) : v;
+            if (residual) put(residual_out, at + i, row[i], is_bf16);
+        }
+#pragma omp simd reduction(+ : sum_sq)
+        for (int i = 0; i < hidden; i++) sum_sq += row[i] * row[i];
+        float inv = 1.0f / sqrtf(sum_sq / hidden + eps);
+        for (int i = 0; i < hidden; i++)
+            put(out, at + i, rounded(row[i] * inv, is_bf16) * get(weight, i, is_bf16), is_bf16);
+    }
+}
+
+// -----------------------------------------------------------------------------------------------
 // Linear: y[M, N] = x[M, K] W^T (+ bias). W is packed once at load time into panels of 16 output
 // columns (pack_weight in kernels.py; N padded to a multiple of 32 with zero rows, so that the
 // panels come in pairs, K to an even count), walked in pairs of k: fp32 w[panel][k / 2][2][16],
@@ -492,11 +529,15 @@ static inline vf silu_mul_vf(const char *p, int64_t half, int type) {
 // y_bf16. (ctypes converts each argument of every call, about 0.25 us each: 14 arguments took
 // 3.8 us a call, 7 take 2.1, and a decode step makes 121 of these calls: T=1 forwards 0.98-0.99x
 // the time on the Zen 3, taking turns every forward, 150 pairs; session 39.)
+// norm (an RMSNorm's weight, eps): x's rows are first x + residual, normed, in place, as rms_norm
+// does with a residual (x and residual written over: kernels.rms_norm_linear). A layer's two norms
+// each go with the projection after them: one C call instead of two, 59 fewer a decode step.
 void linear(const void *x, void *y, int64_t M, float *scratch, int threads, const int64_t *layer,
-            int gated) {
+            int gated, void *residual, const void *norm, float eps) {
     const void *w = (const void *)layer[0], *bias = (const void *)layer[1];
     int N = layer[2], K = layer[3], x_bf16 = layer[4], amx = layer[5], wt = layer[6];
     int y_bf16 = layer[7], vectors = CEIL(K, LANES), step = amx ? 2 : PREFILL(M) ? WIDE : 1;
+    if (norm) rms_norm(x, residual, norm, (void *)x, residual, M, K, eps, x_bf16);
     // (in whole tiles of WIDE panels, as pack_weight pads them to pairs: on AVX-512 a panel past N
     // is zeros, computed, never stored)
     int64_t K2 = K / 2, num_panels = CEIL(N, WIDE * PANEL) * WIDE;
@@ -580,43 +621,6 @@ void linear(const void *x, void *y, int64_t M, float *scratch, int threads, cons
                 // an instance per weight type (fp16 only on a build with F16C: kernels.linear_args)
                 x_bf16 ? PANELS(3) : wt == 1 ? PANELS(1) : wt == 2 ? PANELS(2) : PANELS(0);
         }
-    }
-}
-
-// -----------------------------------------------------------------------------------------------
-// RMSNorm and rotary, fp32 or bf16: torch runs each as a chain of small ops (a dozen calls of ~1 us
-// each at decode); here one pass. bf16 is rounded like the torch reference step by step, so the two
-// agree bit for bit; fp32 rounds each operation once, as torch does, but may fuse a multiply and an
-// add (and sums in its own order). Scalar reads and writes of element i: fp32 or bf16, and for put
-// fp16 too (type as load_vf's), rounded to nearest even as torch rounds.
-static inline float rounded(float v, int is_bf16) { return is_bf16 ? to_f32(to_bf16(v)) : v; }
-
-static inline void put(void *p, int64_t i, float v, int type) {
-#ifdef __F16C__
-    if (type == 2) ((uint16_t *)p)[i] = _cvtss_sh(v, 0);
-#endif
-    if (type == 1) ((bf16 *)p)[i] = to_bf16(v);
-    if (!type) ((float *)p)[i] = v;
-}
-
-// RMSNorm of x [rows, H] in fp32: x * rsqrt(mean(x^2) + eps), rounded to x's dtype, times w. With
-// residual: x + residual (rounded) is normed and also written to residual_out.
-void rms_norm(const void *x, const void *residual, const void *weight, void *out,
-              void *residual_out, int rows, int hidden, float eps, int is_bf16) {
-#pragma omp parallel for schedule(static) if (rows > 16)
-    for (int r = 0; r < rows; r++) {
-        float row[hidden], sum_sq = 0.0f;
-        int64_t at = (int64_t)r * hidden;
-        for (int i = 0; i < hidden; i++) {
-            float v = get(x, at + i, is_bf16);
-            row[i] = residual ? rounded(v + get(residual, at + i, is_bf16), is_bf16) : v;
-            if (residual) put(residual_out, at + i, row[i], is_bf16);
-        }
-#pragma omp simd reduction(+ : sum_sq)
-        for (int i = 0; i < hidden; i++) sum_sq += row[i] * row[i];
-        float inv = 1.0f / sqrtf(sum_sq / hidden + eps);
-        for (int i = 0; i < hidden; i++)
-            put(out, at + i, rounded(row[i] * inv, is_bf16) * get(weight, i, is_bf16), is_bf16);
     }
 }
 

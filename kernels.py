@@ -217,7 +217,7 @@ def cpu_kernels(isa: str | None = None):
     lib.isa, lib.f16c = isa, isa != "generic"  # (fp16 weights need F16C)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     # (each call's arguments first, then a layer's own or a step's: c_linear, c_paged_attention)
-    lib.linear.argtypes = [ptr, ptr, i64, ptr, i32, ctypes.POINTER(i64), i32]
+    lib.linear.argtypes = [ptr, ptr, i64, ptr, i32, ctypes.POINTER(i64), i32, ptr, ptr, f32]
     # q, the caches, out, the per-segment sums, the scale; rotary's cos/sin, q's row stride
     lib.paged_attention.argtypes = [ptr] * 5 + [f32, ptr, i64]
     lib.paged_attention.argtypes += [ptr] * 4 + [i32] * 9 + [ptr, ptr] + [i32] * 2 + [i64] * 3
@@ -418,13 +418,30 @@ def silu_mul_linear(x, layer: "Linear"):
     return layer(silu_mul(x))
 
 
-def c_linear(x, layer: Linear, gated=False):
+def rms_norm_linear(x, residual, norm, layer: Linear):
+    """layer(norm(x + residual)) and x + residual (residual None: layer(norm(x)) and x), with
+    rms_norm's contract: x and residual are written over. Where the C linear takes these rows as
+    they are (not widened by torch, K even), one C call does both: the C norm in place, then the
+    tiles. The same kernels, so the same bits, and 59 of a decode step's 61 norm calls go (a C
+    call costs about 6 us of Python and ctypes): on the Zen 3 (avx2, 2 threads, taking turns with
+    the two calls, 21 and 31 rounds) T=1 forwards 0.962-0.976x the time at contexts 100 and 700,
+    T=9 0.969-0.970x (BENCHMARKS.md, session 61)."""
+    fused = residual is not None and layer.packed is not None and x.dtype == norm.weight.dtype
+    if not fused or any(layer.c_args[2:4]):  # (rows that torch widens or pads first: two calls)
+        x, residual = (norm(x), x) if residual is None else norm(x, residual)
+        return layer(x), residual
+    residual = residual.contiguous()
+    return c_linear(x, layer, norm=(residual, norm)), residual
+
+
+def c_linear(x, layer: Linear, gated=False, norm=()):
     """cpu_kernels.c's linear over a packed Linear: each output one fixed fp32 chain over k, the
     weights streamed once per call. (A decode step makes ~120 of these calls, and every torch op
     or attribute read here costs about a microsecond, more right after a linear has streamed its
     weights through the caches. So what never changes between calls was worked out when the layer
     was built, linear_args: with the same for attention, a T=1 forward of the default model took
-    0.91x the time on a Zen 3; BENCHMARKS.md, session 37.)"""
+    0.91x the time on a Zen 3; BENCHMARKS.md, session 37.) norm: (residual, an RMSNorm), for
+    rms_norm_linear: the kernel first norms x + residual in place."""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     lib, dtype, widen, pad, fixed = layer.c_args
     assert rows.dtype == dtype, f"{rows.dtype} rows for a linear built for {dtype}"
@@ -440,8 +457,10 @@ def c_linear(x, layer: Linear, gated=False):
     # mapped in (a 2048-token chunk of a wide model's x would be 100 MB, but only gated or split
     # rows are copied past 18 or 24).
     scratch = cpu_scratch(in_features * (num_rows + 32 * threads)).data_ptr()
+    # (rms_norm_linear's norm, as the kernel takes it: the residual stream, the weight, eps)
+    norm = (norm[0].data_ptr(), norm[1].weight.data_ptr(), norm[1].eps) if norm else (0, 0, 0)
     if num_rows:  # (no tile shape has 0 rows)
-        lib.linear(rows.data_ptr(), out.data_ptr(), num_rows, scratch, threads, fixed, gated)
+        lib.linear(rows.data_ptr(), out.data_ptr(), num_rows, scratch, threads, fixed, gated, *norm)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], layer.out_features)
 
 

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import attention, rms_norm, silu_mul_linear
+from kernels import attention, rms_norm, rms_norm_linear, silu_mul_linear
 
 
 def rope_cache(config: dict, head_dim: int, max_positions: int) -> torch.Tensor:
@@ -72,7 +72,10 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = None
 
     def forward(self, x, cos_sin=None):  # cos_sin None: no rotary (OPT)
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), cos_sin)
+
+    def attend(self, qkv, cos_sin=None):
+        """What follows the qkv projection (DecoderLayer computes it with the norm before it)."""
         # attention() takes q, k and v as they sit side by side in each row of qkv: on a CPU the
         # C call reads them there (a view of each would cost more than the call's own Python).
         if self.qk_norm:  # Qwen3: RMSNorm over each head's q and k, in place (qkv is our own)
@@ -91,8 +94,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x):
-        return silu_mul_linear(self.gate_up_proj(x), self.down_proj)
+    def forward(self, gate_up):
+        """The MLP past gate_up_proj (DecoderLayer computes it with the norm before it)."""
+        return silu_mul_linear(gate_up, self.down_proj)
 
     __call__ = forward  # past nn.Module's hook dispatch, as kernels.Linear
 
@@ -108,16 +112,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos_sin, keep=None):
         """keep (the last layer's): the rows that go on past attention, LlamaForCausalLM.forward."""
-        # The residual stream is carried separately so each norm can fuse "add residual, then norm".
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin)
+        # The residual stream is carried separately so each norm can fuse "add residual, then norm",
+        # and each norm goes with the projection after it: on a CPU, one C call (rms_norm_linear).
+        norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
+        qkv, residual = rms_norm_linear(x, residual, norm, qkv_proj)
+        x = self.self_attn.attend(qkv, cos_sin)
         if keep is not None:
             x, residual = x[keep], residual[keep]
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        norm, gate_up_proj = self.post_attention_layernorm, self.mlp.gate_up_proj
+        gate_up, residual = rms_norm_linear(x, residual, norm, gate_up_proj)
+        return self.mlp(gate_up), residual
 
     __call__ = forward  # past nn.Module's hook dispatch, as kernels.Linear
 

@@ -4,6 +4,7 @@
 # and torch ones on CPU tensors, Triton's on DEVICE). This is what makes speculative output
 # equal plain decoding's bit for bit (DESIGN.md, "Exactness"); tests/test_engine.py checks it end to
 # end.
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -148,6 +149,33 @@ def test_the_gated_c_linear_rows_are_invariant(c_isa, k, x_dtype, w_dtype):
     torch.testing.assert_close(got, expected.to(got.dtype), **close)
 
 
+@X_AND_W_DTYPES
+def test_a_norm_handed_to_the_c_linear_is_the_norm_then_the_linear(c_isa, x_dtype, w_dtype):
+    """rms_norm_linear hands the C linear the RMSNorm before it (one call: the norm in place, then
+    the tiles). The same kernels, so the same bits as rms_norm and then the linear, for the output
+    and the residual stream alike, at every M. Where torch widens the rows first (bf16 rows on an
+    FMA build) it makes the two calls itself."""
+    if w_dtype == torch.float16 and c_isa == "generic":
+        pytest.skip("fp16 weights need F16C, which the generic build does not assume")
+    from models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    weight = (0.05 * torch.randn(40, 576)).to(w_dtype)
+    layer = kernels.Linear(weight.to(x_dtype), None, kernels.pack_weight(weight))
+    norm = RMSNorm(576, 1e-5).to(x_dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(576)).to(x_dtype)
+    fused = not any(layer.c_args[2:4])
+    for m in (1, 9, 300):
+        x, residual = torch.randn(m, 576).to(x_dtype), torch.randn(m, 576).to(x_dtype)
+        normed, summed = norm(x.clone(), residual.clone())
+        want = layer(normed)
+        no_norm_call = mock.patch.object(kernels, "c_rms_norm", side_effect=AssertionError)
+        with no_norm_call if fused else contextlib.nullcontext():
+            got, got_residual = kernels.rms_norm_linear(x, residual, norm, layer)
+        assert torch.equal(got, want) and torch.equal(got_residual, summed)
+    assert fused or x_dtype == torch.bfloat16  # (fp32 rows always go in one call)
+
+
 def test_the_bf16_dot_product_is_its_documented_chain(monkeypatch):
     """The avx512bf16 build takes bf16 rows over bf16 weights through AVX512-BF16's dot product:
     per pair of k, acc + x[k+1] w[k+1], then + x[k] w[k], each add rounded to fp32 (a product of
@@ -162,7 +190,7 @@ def test_the_bf16_dot_product_is_its_documented_chain(monkeypatch):
     packed, y = kernels.pack_weight(weight), torch.empty(5, 32)  # y in fp32: the chain's own bits
     call = (x.data_ptr(), y.data_ptr(), 5, kernels.cpu_scratch(1).data_ptr(), 2)
     own = (ctypes.c_int64 * 8)(packed.data_ptr(), 0, 32, 256, 1, 0, 1, 0)  # w, bias, N, K, ...
-    kernels.cpu_kernels().linear(*call, own, 0)
+    kernels.cpu_kernels().linear(*call, own, 0, None, None, 0.0)
     want, xf, wf = torch.zeros(5, 32), x.float(), weight.float()
     for k in range(0, 256, 2):
         want = (want + xf[:, k + 1, None] * wf[:, k + 1]) + xf[:, k, None] * wf[:, k]
